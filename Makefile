@@ -1,0 +1,26 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+.PHONY: demo test test-all bench clean
+demo: $(VENV)/.installed
+	$(PY) -m jshard.demo
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q jshard tests
+
+test-all: $(VENV)/.installed
+	$(PY) -m pytest -q -m '' jshard tests
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/redistribute.py
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,42 @@
+"""jshard: PyTorch DTensor's placement algebra for JAX.
+
+Describe how an array lives on a device mesh with one placement per mesh axis (``Replicate``,
+``Shard(d)``, ``StridedShard(d, sf)``, ``Partial(op)``) and move it between layouts with the cheapest
+explicit collectives.
+
+>>> import jax, numpy as np, jshard
+>>> from jshard import Shard, Partial, Replicate
+>>> mesh = jax.make_mesh((2, 4), ("dp", "tp"))
+>>> x = jshard.distribute(np.arange(12.0).reshape(6, 2), mesh, [Shard(0), Replicate()])
+>>> y = x.redistribute([Replicate(), Shard(0)])
+>>> bool((y.full() == np.arange(12.0).reshape(6, 2)).all())
+True
+"""
+
+from .cost import AxisCost, CostModel
+from .darray import DArray, distribute, from_jax, from_local
+from .placements import Partial, Placement, PlacementError, Replicate, Shard, StridedShard
+from .planner import Plan, Step, plan_redistribute
+from .spec import LayoutError, Spec
+from .visualize import visualize
+
+__all__ = [
+    "AxisCost",
+    "CostModel",
+    "DArray",
+    "LayoutError",
+    "Partial",
+    "Placement",
+    "PlacementError",
+    "Plan",
+    "Replicate",
+    "Shard",
+    "Spec",
+    "Step",
+    "StridedShard",
+    "distribute",
+    "from_jax",
+    "from_local",
+    "plan_redistribute",
+    "visualize",
+]

@@ -1,0 +1,247 @@
+"""DArray: a global array stored as one block per device, described by a Spec.
+
+The storage is one ``jax.Array`` of shape ``mesh.shape + local_block_shape`` sharded
+``P(*mesh.axis_names)``: every device holds exactly its own block, padded to the largest local shape.
+That represents every placement alike (Partial, StridedShard, uneven shards). A DArray is a pytree whose
+only leaf is that block array (the spec is static), so it passes through ``jax.jit``, ``jax.tree``
+utilities and Flax containers.
+
+>>> import jax, numpy as np
+>>> from jshard import distribute, Shard, Replicate
+>>> mesh = jax.make_mesh((2, 4), ("dp", "tp"))
+>>> x = distribute(np.arange(20.0).reshape(10, 2), mesh, [Shard(0), Replicate()])
+>>> x
+DArray(f32[10,2] (S(0), R) on mesh(dp=2, tp=4))
+>>> [a.shape for a in x.to_local()][::4]
+[(5, 2), (5, 2)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from .cost import CostModel
+from .lowering import compile_plan
+from .placements import Placement, PlacementError, Replicate, format_placements
+from .planner import plan_redistribute
+from .spec import LayoutError, Spec, block_sharding, format_mesh
+
+__all__ = ["DArray", "distribute", "from_local", "from_jax"]
+
+
+@jax.tree_util.register_pytree_node_class
+class DArray:
+    """A distributed array: block storage plus the spec that says what each block means.
+
+    Build one with ``distribute``, ``from_local`` or ``from_jax``; the constructor takes the block array
+    as is (its shape must be ``spec.block_shape``).
+    """
+
+    __slots__ = ("block", "spec")
+
+    def __init__(self, block: jax.Array, spec: Spec):
+        self.block = block
+        self.spec = spec
+
+    # -- pytree -----------------------------------------------------------------------------------
+    def tree_flatten(self):
+        return (self.block,), self.spec
+
+    @classmethod
+    def tree_unflatten(cls, spec, children):
+        return cls(children[0], spec)
+
+    # -- attributes -------------------------------------------------------------------------------
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self.spec.placements
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.spec.mesh
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The global shape."""
+        return self.spec.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.spec.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.spec.shape)
+
+    def __repr__(self) -> str:
+        return f"DArray({self.spec})"
+
+    # -- conversions ------------------------------------------------------------------------------
+    def redistribute(self, placements: Sequence[Placement], *, cost_model: CostModel | None = None) -> DArray:
+        """The same value with new placements, Partial targets included.
+
+        The plan (``jshard.plan_redistribute``) is the cheapest under ``cost_model`` and runs as one
+        compiled program; both are cached.
+
+        >>> import jax, numpy as np; from jshard import distribute, Shard, Partial, Replicate
+        >>> x = distribute(np.ones((8, 4)), jax.make_mesh((2, 4), ("dp", "tp")), [Shard(0), Replicate()])
+        >>> x.redistribute([Replicate(), Shard(1)]).placements
+        (R, S(1))
+        """
+        plan = plan_redistribute(self.spec, placements, cost_model=cost_model)
+        if not plan.steps:
+            return DArray(self.block, plan.dst)
+        return DArray(compile_plan(plan)(self.block), plan.dst)
+
+    def full(self) -> jax.Array:
+        """The logical global value, replicated on every device of the mesh."""
+        plan = plan_redistribute(self.spec, (Replicate(),) * len(self.placements))
+        return compile_plan(plan, global_out=True)(self.block)
+
+    def to_jax(self) -> jax.Array:
+        """An ordinary ``jax.Array`` with the equivalent ``NamedSharding``, built without a collective.
+
+        Raises ``LayoutError`` where JAX has no equivalent (uneven shards, Partial avg/max/min, strided
+        layouts that are no shard order); ``full()`` always works.
+        """
+        sharding = self.spec.to_named_sharding()
+        local = self.spec.local_block_shape
+        return jax.make_array_from_single_device_arrays(
+            self.shape, sharding, [s.data.reshape(local) for s in self.block.addressable_shards]
+        )
+
+    def to_local(self) -> list[jax.Array | None]:
+        """Every device's local array with its true (possibly uneven or empty) shape, in mesh device
+        order (``mesh.devices.flat``). Devices this process cannot address (multi-host) give None."""
+        k = len(self.mesh.axis_names)
+        blocks = {}
+        for shard in self.block.addressable_shards:
+            coords = tuple(i.start or 0 for i in shard.index[:k])
+            blocks[shard.device] = (coords, shard.data)
+        out = []
+        for device in self.mesh.devices.flat:
+            if device not in blocks:
+                out.append(None)
+                continue
+            coords, data = blocks[device]
+            shape = self.spec.local_shape(coords)
+            out.append(data[(0,) * k + tuple(slice(0, n) for n in shape)])
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# constructors
+
+
+def distribute(x, mesh: Mesh, placements: Sequence[Placement]) -> DArray:
+    """Distribute the global value ``x`` (a host or jax array) over ``mesh`` with ``placements``.
+
+    Each device keeps its own shards. A ``Partial`` placement is exact: for ``sum`` the value sits on
+    coordinate 0 and zeros elsewhere; ``avg``, ``max`` and ``min`` keep the value on every coordinate.
+
+    >>> import jax, numpy as np; from jshard import Shard, Partial
+    >>> x = distribute(np.arange(6.0), jax.make_mesh((2, 4), ("dp", "tp")), [Partial(), Shard(0)])
+    >>> [a.tolist() for a in x.to_local()][:5]
+    [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [], [0.0, 0.0]]
+    """
+    if not isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, bool, complex)):
+        x = np.asarray(x)
+    spec = Spec.create(mesh, placements, np.shape(x), jnp.asarray(x).dtype if isinstance(x, (int, float, bool, complex))
+                       else x.dtype, where="distribute")
+    replicated = spec.with_placements((Replicate(),) * len(spec.placements))
+    plan = plan_redistribute(replicated, spec.placements)
+    x = jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
+    return DArray(compile_plan(plan, global_in=True)(x), spec)
+
+
+def from_local(locals: Sequence, mesh: Mesh, placements: Sequence[Placement], shape=None) -> DArray:
+    """Build a DArray from each device's local array, in mesh device order (``mesh.devices.flat``).
+
+    Local shapes are the true ones (uneven and empty shards included); a ``Partial`` placement takes the
+    locals as they are, so their reduction is the value. ``shape`` (the global shape) is inferred from
+    the local shapes when omitted and checked against them when given. On multi-host meshes, entries for
+    devices this process cannot address are ignored (pass None).
+
+    >>> import jax, numpy as np; from jshard import Partial
+    >>> mesh = jax.make_mesh((8,), ("x",))
+    >>> from_local([np.full(3, float(i)) for i in range(8)], mesh, [Partial("max")]).full().tolist()
+    [7.0, 7.0, 7.0]
+    """
+    devices = list(mesh.devices.flat)
+    if len(locals) != len(devices):
+        raise ValueError(
+            f"from_local: got {len(locals)} local arrays for {format_mesh(mesh)} with {len(devices)} devices; "
+            "pass one per device, in mesh.devices.flat order"
+        )
+    addressable = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
+    arrays = {i: locals[i] if isinstance(locals[i], jax.Array) else np.asarray(locals[i]) for i in addressable}
+    ranks = {a.ndim for a in arrays.values()}
+    dtypes = {np.dtype(a.dtype) for a in arrays.values()}
+    if len(ranks) != 1 or len(dtypes) != 1:
+        raise ValueError(
+            f"from_local: the local arrays must share rank and dtype; got ranks {sorted(ranks)} and dtypes "
+            f"{sorted(map(str, dtypes))}"
+        )
+    rank, dtype = ranks.pop(), dtypes.pop()
+    mesh_shape = tuple(mesh.devices.shape)
+    local_shapes = {np.unravel_index(i, mesh_shape): tuple(a.shape) for i, a in arrays.items()}
+    if shape is None:
+        shape = _infer_shape(local_shapes, mesh, placements, rank)
+    spec = Spec.create(mesh, placements, shape, dtype, where="from_local")
+    for coords, got in local_shapes.items():
+        want = spec.local_shape(coords)
+        if got != want:
+            raise ValueError(
+                f"from_local: device {coords} of {format_mesh(mesh)} has a local array of shape {got}, but {spec} "
+                f"puts shape {want} there (shards follow torch.chunk sizes: ceil-divide, trailing shards short "
+                "or empty)"
+            )
+    local = spec.local_block_shape
+    k = len(mesh_shape)
+    shards = []
+    for i, a in arrays.items():
+        pad = [(0, 0)] * k + [(0, n - s) for n, s in zip(local, a.shape)]
+        block = (jnp if isinstance(a, jax.Array) else np).pad(a.reshape((1,) * k + a.shape), pad)
+        shards.append(jax.device_put(block, devices[i]))
+    block = jax.make_array_from_single_device_arrays(spec.block_shape, block_sharding(mesh), shards)
+    return DArray(block, spec)
+
+
+def from_jax(x: jax.Array) -> DArray:
+    """Wrap a ``jax.Array`` with a ``NamedSharding`` as a DArray, without a collective.
+
+    An ``unreduced`` axis becomes ``Partial(sum)``; an axis tuple in non-mesh order becomes StridedShard.
+    """
+    if not isinstance(x, jax.Array):
+        raise TypeError(f"from_jax: expected a jax.Array with a NamedSharding, got {type(x).__name__}")
+    spec = Spec.from_named_sharding(x.sharding, x.shape, x.dtype)
+    k = len(spec.mesh_shape)
+    block_shape = (1,) * k + spec.local_block_shape
+    shards = [s.data.reshape(block_shape) for s in x.addressable_shards]
+    block = jax.make_array_from_single_device_arrays(spec.block_shape, block_sharding(spec.mesh), shards)
+    return DArray(block, spec)
+
+
+def _infer_shape(local_shapes: dict, mesh: Mesh, placements, rank: int) -> tuple[int, ...]:
+    """Global shape from local shapes: each shard of a dim is counted once, replicas not."""
+    probe = Spec.create(mesh, placements, (0,) * rank, np.float32, where="from_local")
+    mesh_shape = probe.mesh_shape
+    if len(local_shapes) != int(np.prod(mesh_shape)):
+        raise ValueError("from_local: shape=None needs every device's local array (multi-host: pass shape=)")
+    shape = []
+    for d in range(rank):
+        sharding_axes = {a for a, _ in probe.chain(d)}
+        replicas = int(np.prod([n for a, n in enumerate(mesh_shape) if a not in sharding_axes]))
+        total = sum(s[d] for s in local_shapes.values())
+        if total % replicas:
+            raise ValueError(
+                f"from_local: the local sizes of dim {d} do not fit {format_placements(probe.placements)} on "
+                f"{format_mesh(mesh)} (replicas of a shard must have equal shapes)"
+            )
+        shape.append(total // replicas)
+    return tuple(shape)

@@ -1,0 +1,220 @@
+"""Lowering: turning a redistribution plan into one compiled ``shard_map`` program.
+
+Every step of a plan becomes one JAX collective over a mesh-axis tuple (``all_gather``, ``psum`` /
+``pmax`` / ``pmin``, ``psum_scatter``, ``all_to_all``) or a local operation, plus, where the layout
+needs it, a static re-indexing of one tensor dim on each device. The re-indexing tables are not derived
+case by case: the lowering *simulates* which global indices every device holds before the step and in
+the collective's buffer, and looks up where each index of the step's target layout sits. That one
+mechanism handles uneven shards (padding is dropped, never read as a value), StridedShard permutations
+and any axis-tuple order; a table that turns out to be the identity, or a contiguous window, becomes a
+no-op or a slice.
+
+Between steps a device always holds the canonical padded block of the current placements, so a program
+can stop or start at any step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import lru_cache
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from .planner import Plan, Step
+from .spec import Spec
+
+__all__ = ["compile_plan", "reduce_identity"]
+
+
+def reduce_identity(op: str, dtype) -> np.generic:
+    """The value that ``op`` ignores: 0 for sum, the lowest value for max, the highest for min."""
+    dtype = np.dtype(dtype)
+    if op in ("sum", "avg"):
+        return dtype.type(0)
+    if jnp.issubdtype(dtype, jnp.floating):
+        return dtype.type(-np.inf if op == "max" else np.inf)
+    info = jnp.iinfo(dtype)
+    return dtype.type(info.min if op == "max" else info.max)
+
+
+@lru_cache(maxsize=4096)
+def compile_plan(plan: Plan, *, global_in: bool = False, global_out: bool = False) -> Callable:
+    """A jitted function running ``plan`` on block storage.
+
+    ``global_in``: the input is the global value, replicated (the plan must start all-Replicate).
+    ``global_out``: the output is the global value (the plan must end all-Replicate, hence unpadded).
+    """
+    mesh = plan.src.mesh
+    names = tuple(mesh.axis_names)
+    k = len(names)
+    steps = [_lower_step(plan.src.mesh, step, plan.src) for step in plan.steps]
+
+    def body(x):
+        if not global_in:
+            x = x.reshape(x.shape[k:])
+        for fn in steps:
+            x = fn(x)
+        return x if global_out else x.reshape((1,) * k + x.shape)
+
+    block_spec = PartitionSpec(*names)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec() if global_in else block_spec,
+                       out_specs=PartitionSpec() if global_out else block_spec, check_vma=False)
+    out_sharding = NamedSharding(mesh, PartitionSpec() if global_out else block_spec)
+    return jax.jit(fn, out_shardings=out_sharding)
+
+
+# ---------------------------------------------------------------------------------------------------
+# layout simulation
+
+
+def _layouts(spec: Spec, placements) -> tuple[np.ndarray, ...]:
+    return spec.with_placements(placements, where="lowering").layouts
+
+
+def _group_concat(layout: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
+    """Per device, the concatenation (in axis-tuple order) of the layouts of its group over ``axes``.
+
+    Applied to the current layout it is an all_gather's buffer; applied to the target layout it is the
+    buffer a tiled psum_scatter / all_to_all must be given (chunk t goes to the member with index t)."""
+    mesh_shape = layout.shape[:-1]
+    out = np.empty(mesh_shape + (layout.shape[-1] * int(np.prod([mesh_shape[a] for a in axes], dtype=int)),),
+                   dtype=layout.dtype)
+    for coords in np.ndindex(*mesh_shape):
+        parts = []
+        for t in np.ndindex(*[mesh_shape[a] for a in axes]):
+            member = list(coords)
+            for a, c in zip(axes, t):
+                member[a] = c
+            parts.append(layout[tuple(member)])
+        out[coords] = np.concatenate(parts)
+    return out
+
+
+def _find(buffer: np.ndarray, target: np.ndarray, *, fill: int | None, what: str) -> np.ndarray:
+    """Positions in ``buffer`` of each global index in ``target`` (per device; -1 = don't care).
+
+    A target index missing from the buffer becomes ``fill`` when given (a position holding the identity),
+    else it is an internal error: the plan would read a value the device does not have.
+    """
+    table = np.full(target.shape, -1, dtype=np.int64)
+    for coords in np.ndindex(*target.shape[:-1]):
+        buf, tgt = buffer[coords], target[coords]
+        where = {int(g): i for i, g in enumerate(buf) if g >= 0}
+        row = table[coords]
+        for j, g in enumerate(tgt):
+            if g < 0:
+                continue
+            pos = where.get(int(g))
+            if pos is None:
+                if fill is None:
+                    raise AssertionError(f"lowering bug in {what}: device {coords} needs index {g} it does not hold")
+                pos = fill
+            row[j] = pos
+    return table
+
+
+# ---------------------------------------------------------------------------------------------------
+# emitting JAX
+
+
+class _Select:
+    """Re-index one tensor dim with a per-device table, as cheaply as its shape allows."""
+
+    def __init__(self, table: np.ndarray, buffer_len: int, names: tuple[str, ...], dim: int):
+        self.dim, self.names = dim, names
+        mesh_shape, m = table.shape[:-1], table.shape[-1]
+        valid = table >= 0
+        cols = np.arange(m)
+        offsets = table - cols
+        first = valid.argmax(axis=-1)[..., None]
+        starts = np.where(valid.any(axis=-1), np.take_along_axis(offsets, first, axis=-1)[..., 0], 0)
+        contiguous = (bool(np.all(~valid | (offsets == starts[..., None])))
+                      and bool(np.all((starts >= 0) & (starts + m <= buffer_len))))
+        if contiguous:
+            self.kind, values = "slice", starts[..., None]
+        else:
+            self.kind, values = "take", np.where(valid, table, 0)
+        self.axes = tuple(a for a in range(len(mesh_shape)) if not np.all(values == values.take([0], axis=a)))
+        index = tuple(slice(None) if a in self.axes else 0 for a in range(len(mesh_shape)))
+        self.values = values[index]
+        self.identity = (self.kind == "slice" and not self.axes and int(self.values[0]) == 0 and m == buffer_len)
+        self.m = m
+
+    def __call__(self, x):
+        if self.identity:
+            return x
+        values = self.values
+        if self.axes:
+            values = jnp.asarray(values)[tuple(lax.axis_index(self.names[a]) for a in self.axes)]
+        if self.kind == "slice":
+            if not self.axes:
+                return lax.slice_in_dim(x, int(values[0]), int(values[0]) + self.m, axis=self.dim)
+            return lax.dynamic_slice_in_dim(x, values[0].astype(jnp.int32), self.m, axis=self.dim)
+        return jnp.take(x, jnp.asarray(values, dtype=jnp.int32), axis=self.dim, mode="clip")
+
+
+def _lower_step(mesh, step: Step, spec: Spec) -> Callable:
+    names = tuple(mesh.axis_names)
+    axis_of = {n: i for i, n in enumerate(names)}
+    axes = tuple(axis_of[a] for a in step.axes)
+    cur, tgt = _layouts(spec, step.src), _layouts(spec, step.dst)
+    what = str(step)
+    dtype = spec.dtype
+
+    def scale(x):
+        if step.scale == 1:
+            return x
+        return x // step.scale if jnp.issubdtype(dtype, jnp.integer) else x / jnp.asarray(step.scale, x.dtype)
+
+    if step.kind == "all_gather":
+        d = step.dim
+        buf = _group_concat(cur[d], axes)
+        select = _Select(_find(buf, tgt[d], fill=None, what=what), buf.shape[-1], names, d)
+        return lambda x: select(lax.all_gather(x, step.axes, axis=d, tiled=True))
+
+    if step.kind == "all_reduce":
+        reduce = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}[step.op]
+        return lambda x: scale(reduce(x, step.axes))
+
+    if step.kind == "reduce_scatter":
+        d = step.dim
+        pre = _Select(_find(cur[d], _group_concat(tgt[d], axes), fill=None, what=what), cur[d].shape[-1], names, d)
+        return lambda x: scale(lax.psum_scatter(pre(x), step.axes, scatter_dimension=d, tiled=True))
+
+    if step.kind == "all_to_all":
+        d, e = step.dim, step.split_dim
+        pre = _Select(_find(cur[e], _group_concat(tgt[e], axes), fill=None, what=what), cur[e].shape[-1], names, e)
+        buf = _group_concat(cur[d], axes)
+        post = _Select(_find(buf, tgt[d], fill=None, what=what), buf.shape[-1], names, d)
+        return lambda x: post(lax.all_to_all(pre(x), step.axes, e, d, tiled=True))
+
+    # local steps: re-index every dim whose layout changed (slice; fill puts the identity around the
+    # device's own shard), then keep a new Partial(sum)'s value on coordinate 0 only (partition)
+    changed = [d for d in range(len(cur)) if not np.array_equal(cur[d], tgt[d])]
+    fill_op = next((q.op for p, q in zip(step.src, step.dst) if p.is_shard and q.is_partial), None)
+    selects = []
+    for d in changed:
+        fill = cur[d].shape[-1] if fill_op is not None else None
+        selects.append(_Select(_find(cur[d], tgt[d], fill=fill, what=what), cur[d].shape[-1] + (fill is not None),
+                               names, d))
+    identity = reduce_identity(fill_op, dtype) if fill_op is not None else None
+    zeroed = tuple(names[a] for a, (p, q) in enumerate(zip(step.src, step.dst))
+                   if p.is_replicate and q.is_partial and q.op == "sum" and mesh.devices.shape[a] > 1)
+
+    def local(x):
+        for sel in selects:
+            if identity is not None:
+                pad = list(x.shape)
+                pad[sel.dim] = 1
+                x = jnp.concatenate([x, jnp.full(pad, identity, x.dtype)], axis=sel.dim)
+            x = sel(x)
+        if zeroed:
+            first = jnp.logical_and.reduce(jnp.stack([lax.axis_index(a) == 0 for a in zeroed]))
+            x = jnp.where(first, x, jnp.zeros((), x.dtype))
+        return x
+
+    return local

@@ -1,0 +1,293 @@
+"""Specs: an array's global shape and dtype, a mesh and one placement per mesh axis.
+
+A spec answers, for every device, which global indices it holds. The rule is ``torch.chunk``'s
+(ceil-divide, trailing shards short or empty), applied left to right over the mesh axes: a dim sharded by
+two axes is chunked by the first, and each chunk again by the second. ``StridedShard`` is applied the
+same way (see ``placements``). Every dim is laid out independently, so a device's local block is the
+outer product of one index list per dim.
+
+Block storage pads every device's local block to the largest local shape (``Spec.local_block_shape``);
+the padding holds no value.
+
+>>> import jax
+>>> from jshard import Shard, Replicate
+>>> mesh = jax.make_mesh((2, 4), ("dp", "tp"))
+>>> spec = Spec.create(mesh, (Shard(0), Shard(0)), (10, 3), "float32")
+>>> print(spec)
+f32[10,3] (S(0), S(0)) on mesh(dp=2, tp=4)
+>>> spec.local_shape((1, 3)), spec.local_block_shape
+((0, 3), (2, 3))
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from .placements import (
+    Partial,
+    Placement,
+    PlacementError,
+    Replicate,
+    Shard,
+    StridedShard,
+    format_placements,
+    normalize_placements,
+)
+
+__all__ = ["Spec", "LayoutError", "format_mesh", "chunk_sizes", "dim_layout"]
+
+
+class LayoutError(ValueError):
+    """A spec whose layout has no equivalent in the requested JAX form (PartitionSpec, NamedSharding)."""
+
+
+def format_mesh(mesh: Mesh) -> str:
+    """``mesh(dp=2, tp=4)``."""
+    return "mesh(" + ", ".join(f"{n}={s}" for n, s in zip(mesh.axis_names, mesh.devices.shape)) + ")"
+
+
+def _dtype_short(dtype: np.dtype) -> str:
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return "bool"
+    kind = {"f": "f", "i": "i", "u": "u", "c": "c", "V": "bf"}.get(dtype.kind, dtype.kind)
+    if dtype.name == "bfloat16":
+        return "bf16"
+    return f"{kind}{dtype.itemsize * 8}"
+
+
+def chunk_sizes(length: int, n: int) -> list[int]:
+    """``torch.chunk`` sizes of ``length`` elements over ``n`` pieces: ``chunk_sizes(9, 4) == [3, 3, 3, 0]``."""
+    k = -(-length // n)
+    return [max(0, min(length - c * k, k)) for c in range(n)]
+
+
+def _chunk(idx: np.ndarray, n: int, c: int) -> np.ndarray:
+    k = -(-len(idx) // n)
+    return idx[min(c * k, len(idx)) : min((c + 1) * k, len(idx))]
+
+
+def _strided_chunk(idx: np.ndarray, n: int, c: int, split_factor: int) -> np.ndarray:
+    k = -(-len(idx) // split_factor)
+    blocks = [idx[b * k : (b + 1) * k] for b in range(split_factor)]
+    return np.concatenate([_chunk(b, n, c) for b in blocks]) if blocks else idx[:0]
+
+
+@lru_cache(maxsize=4096)
+def dim_layout(length: int, mesh_shape: tuple[int, ...], chain: tuple[tuple[int, int], ...]) -> np.ndarray:
+    """Global indices held along one tensor dim, for every device.
+
+    ``chain`` lists ``(mesh axis, split factor)`` for the axes that shard this dim, in mesh order.
+    Returns an int array of shape ``mesh_shape + (padded,)``: device ``c``'s indices in local order,
+    then ``-1`` for padding. The result is read-only (it is cached).
+    """
+    lists = {}
+    for coords in np.ndindex(*mesh_shape):
+        idx = np.arange(length)
+        for axis, sf in chain:
+            n, c = mesh_shape[axis], coords[axis]
+            idx = _chunk(idx, n, c) if sf == 1 else _strided_chunk(idx, n, c, sf)
+        lists[coords] = idx
+    padded = max((len(v) for v in lists.values()), default=0)
+    out = np.full(mesh_shape + (padded,), -1, dtype=np.int64)
+    for coords, idx in lists.items():
+        out[coords][: len(idx)] = idx
+    out.flags.writeable = False
+    return out
+
+
+def _cut_order(chain: tuple[tuple[int, int], ...], mesh_shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The order in which the chain's axes cut the dim, major first, or None if it is no such order.
+
+    An axis whose split factor is the product of the sizes of the higher-index axes that cut before it
+    is how StridedShard spells a non-default shard order (``dtensor-semantics.md`` §1.4).
+    """
+    want = dict(chain)
+    for order in itertools.permutations(want):
+        if all(
+            want[a] == math.prod(mesh_shape[b] for b in order[: order.index(a)] if b > a) for a in order
+        ):
+            return order
+    return None
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Mesh + placements + global shape + dtype: everything about a DArray but its values.
+
+    Build one with ``Spec.create`` (validates and normalizes) or ``Spec.from_named_sharding``.
+    """
+
+    mesh: Mesh
+    placements: tuple[Placement, ...]
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @classmethod
+    def create(cls, mesh: Mesh, placements, shape, dtype, *, where: str = "Spec") -> Spec:
+        """Validate ``placements`` for an array of ``shape``/``dtype`` on ``mesh``.
+
+        >>> import jax; from jshard import Partial
+        >>> Spec.create(jax.make_mesh((8,), ("x",)), [Partial("max")], (4,), "int32").placements
+        (P(max),)
+        """
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"{where}: mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh(...)), got {mesh!r}")
+        shape = tuple(int(s) for s in shape)
+        dtype = np.dtype(dtype)
+        placements = normalize_placements(placements, mesh.devices.ndim, len(shape), where=where)
+        if dtype == np.bool_ and any(p.is_partial for p in placements):
+            raise PlacementError(
+                f"{where}: {format_placements(placements)} puts a Partial on a bool array of shape {shape}; "
+                "a pending reduction needs a numeric dtype (cast to int32 or float first)"
+            )
+        return cls(mesh, placements, shape, dtype)
+
+    # -- printing ---------------------------------------------------------------------------------
+    def __str__(self) -> str:
+        return (
+            f"{_dtype_short(self.dtype)}[{','.join(map(str, self.shape))}] "
+            f"{format_placements(self.placements)} on {format_mesh(self.mesh)}"
+        )
+
+    __repr__ = __str__
+
+    # -- shard math -------------------------------------------------------------------------------
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(self.mesh.devices.shape)
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    def chain(self, dim: int) -> tuple[tuple[int, int], ...]:
+        """``(mesh axis, split factor)`` of every axis sharding ``dim``, in mesh order."""
+        return tuple((a, p.split_factor) for a, p in enumerate(self.placements) if p.is_shard and p.dim == dim)
+
+    @cached_property
+    def layouts(self) -> tuple[np.ndarray, ...]:
+        """Per dim, ``dim_layout``: the global indices of every device (``-1`` = padding)."""
+        return tuple(dim_layout(n, self.mesh_shape, self.chain(d)) for d, n in enumerate(self.shape))
+
+    @cached_property
+    def local_block_shape(self) -> tuple[int, ...]:
+        """The padded local shape every device stores: the largest local shape, dim by dim."""
+        return tuple(lay.shape[-1] for lay in self.layouts)
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """Shape of the block-storage array: ``mesh.shape + local_block_shape``."""
+        return self.mesh_shape + self.local_block_shape
+
+    @cached_property
+    def local_shapes(self) -> np.ndarray:
+        """Int array ``mesh.shape + (rank,)``: every device's true local shape."""
+        if not self.shape:
+            return np.zeros(self.mesh_shape + (0,), dtype=np.int64)
+        return np.stack([(lay >= 0).sum(-1) for lay in self.layouts], axis=-1)
+
+    def local_shape(self, coords: tuple[int, ...]) -> tuple[int, ...]:
+        """True local shape of the device at mesh ``coords``."""
+        return tuple(int(s) for s in self.local_shapes[tuple(coords)])
+
+    def global_indices(self, coords: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+        """Per dim, the global indices the device at ``coords`` holds, in local order."""
+        return tuple(lay[tuple(coords)][lay[tuple(coords)] >= 0] for lay in self.layouts)
+
+    @property
+    def is_even(self) -> bool:
+        """True when every device holds a full, unpadded block."""
+        return bool((self.local_shapes == np.array(self.local_block_shape, dtype=np.int64)).all())
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    def with_placements(self, placements, *, where: str = "Spec") -> Spec:
+        return Spec.create(self.mesh, placements, self.shape, self.dtype, where=where)
+
+    # -- JAX equivalents --------------------------------------------------------------------------
+    def to_partition_spec(self) -> PartitionSpec:
+        """The ``PartitionSpec`` of the same layout; ``Partial(sum)`` becomes ``unreduced``.
+
+        Raises ``LayoutError`` where JAX has no equivalent: uneven shards, Partial avg/max/min, and
+        strided layouts that are not a shard order.
+
+        >>> import jax; from jshard import Shard, StridedShard, Partial
+        >>> mesh = jax.make_mesh((2, 4), ("dp", "tp"))
+        >>> Spec.create(mesh, (StridedShard(0, 4), Shard(0)), (16, 8), "float32").to_partition_spec()
+        PartitionSpec(('tp', 'dp'), None)
+        >>> Spec.create(mesh, (Shard(1), Partial()), (16, 8), "float32").to_partition_spec()
+        PartitionSpec(None, 'dp', unreduced={'tp'})
+        """
+        names = self.mesh.axis_names
+        entries = []
+        for d in range(self.rank):
+            chain = self.chain(d)
+            if self.shape[d] % math.prod(self.mesh_shape[a] for a, _ in chain):
+                raise LayoutError(
+                    f"{self}: dim {d} of size {self.shape[d]} is split unevenly; JAX shardings need even "
+                    "splits. Keep it as a DArray, or pad the dim to a multiple of the shard count"
+                )
+            order = _cut_order(chain, self.mesh_shape)
+            if order is None:
+                raise LayoutError(
+                    f"{self}: the StridedShard layout of dim {d} is not a shard order, so no PartitionSpec "
+                    "describes it; redistribute to Shard/Replicate placements first"
+                )
+            axes = tuple(names[a] for a in order)
+            entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        others = {p.op for p in self.placements if p.is_partial and p.op != "sum"}
+        if others:
+            raise LayoutError(
+                f"{self}: Partial({', '.join(sorted(others))}) has no JAX sharding equivalent (JAX only has "
+                "`unreduced`, a pending sum); redistribute those axes to Replicate() or Shard first"
+            )
+        unreduced = {names[a] for a, p in enumerate(self.placements) if p.is_partial}
+        return PartitionSpec(*entries, unreduced=unreduced) if unreduced else PartitionSpec(*entries)
+
+    def to_named_sharding(self) -> NamedSharding:
+        """``NamedSharding(mesh, self.to_partition_spec())``."""
+        return NamedSharding(self.mesh, self.to_partition_spec())
+
+    @classmethod
+    def from_named_sharding(cls, sharding: NamedSharding, shape, dtype) -> Spec:
+        """The spec of an array laid out by ``sharding``: the inverse of ``to_named_sharding``.
+
+        An axis tuple in a non-mesh order, such as ``P(('tp', 'dp'))``, becomes StridedShard.
+        """
+        if not isinstance(sharding, NamedSharding):
+            raise LayoutError(
+                f"from_named_sharding: expected a NamedSharding, got {type(sharding).__name__}; put the array "
+                "on a mesh first (jax.device_put(x, NamedSharding(mesh, spec)))"
+            )
+        mesh, spec = sharding.mesh, sharding.spec
+        if not isinstance(mesh, Mesh):
+            raise LayoutError(f"from_named_sharding: {sharding} has an abstract mesh; use a concrete jax Mesh")
+        index = {n: i for i, n in enumerate(mesh.axis_names)}
+        sizes = tuple(mesh.devices.shape)
+        placements: list[Placement] = [Replicate()] * len(sizes)
+        if getattr(spec, "reduced", None):
+            raise LayoutError(f"from_named_sharding: {spec} has `reduced` axes, which have no placement")
+        for d, entry in enumerate(tuple(spec)):
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            for pos, name in enumerate(axes):
+                a = index[name]
+                sf = math.prod(sizes[index[b]] for b in axes[:pos] if index[b] > a)
+                placements[a] = Shard(d) if sf == 1 else StridedShard(d, sf)
+        for name in getattr(spec, "unreduced", ()) or ():
+            placements[index[name]] = Partial("sum")
+        return cls.create(mesh, placements, shape, dtype, where="from_named_sharding")
+
+
+def block_sharding(mesh: Mesh) -> NamedSharding:
+    """The sharding of block storage: each device holds exactly its own ``(1, ..., 1, *local)`` block."""
+    return NamedSharding(mesh, PartitionSpec(*mesh.axis_names))

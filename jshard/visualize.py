@@ -1,0 +1,56 @@
+"""``visualize``: which device holds which global indices, as a text table, for any rank."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .spec import Spec, format_mesh
+
+__all__ = ["visualize"]
+
+
+class _Text(str):
+    """A str that shows itself as text in a REPL or notebook (no quotes, real newlines)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _ranges(idx: np.ndarray) -> str:
+    """``0:3 8:11`` for the indices 0,1,2,8,9,10; ``-`` for none."""
+    if idx.size == 0:
+        return "-"
+    runs, start = [], 0
+    for i in range(1, idx.size + 1):
+        if i == idx.size or idx[i] != idx[i - 1] + 1:
+            runs.append(f"{idx[start]}:{idx[i - 1] + 1}")
+            start = i
+    return " ".join(runs)
+
+
+def visualize(x) -> str:
+    """A table of every device's coordinates, local shape and global index ranges per dim.
+
+    Works for any rank and any placements (a strided shard shows several ranges); a Partial axis is
+    named in the last column.
+
+    >>> import jax, numpy as np; from jshard import distribute, Shard, Partial
+    >>> x = distribute(np.zeros((10, 4)), jax.make_mesh((2, 4), ("dp", "tp")), [Shard(0), Partial()])
+    >>> print(visualize(x).splitlines()[0])
+    f32[10,4] (S(0), P(sum)) on mesh(dp=2, tp=4)
+    """
+    spec: Spec = getattr(x, "spec", x)
+    names = spec.mesh.axis_names
+    partial = ", ".join(f"{p.op} over {n}" for n, p in zip(names, spec.placements) if p.is_partial)
+    header = ["device", *names, "local shape", *(f"dim {d}" for d in range(spec.rank))]
+    rows = []
+    for coords in np.ndindex(*spec.mesh_shape):
+        device = spec.mesh.devices[coords]
+        rows.append([str(device.id), *map(str, coords), str(spec.local_shape(coords)),
+                     *(_ranges(i) for i in spec.global_indices(coords))])
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+    line = lambda r: "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip()
+    text = [str(spec), line(header), line(["-" * w for w in widths]), *map(line, rows)]
+    if partial:
+        text.append(f"pending reduction: {partial} (each device holds a part)")
+    return _Text("\n".join(text))
