@@ -27,9 +27,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .cost import CostModel
 from .lowering import compile_plan
-from .placements import Placement, PlacementError, Replicate, format_placements
+from .placements import Placement, Replicate
 from .planner import plan_redistribute
-from .spec import LayoutError, Spec, block_sharding, format_mesh
+from .spec import Spec, block_sharding, format_mesh
 
 __all__ = ["DArray", "distribute", "from_local", "from_jax"]
 
@@ -93,7 +93,8 @@ class DArray:
         >>> x.redistribute([Replicate(), Shard(1)]).placements
         (R, S(1))
         """
-        plan = plan_redistribute(self.spec, placements, cost_model=cost_model)
+        target = self.spec.with_placements(placements, where=f"redistribute from {self.spec}")
+        plan = plan_redistribute(self.spec, target.placements, cost_model=cost_model)
         if not plan.steps:
             return DArray(self.block, plan.dst)
         return DArray(compile_plan(plan)(self.block), plan.dst)
@@ -189,7 +190,7 @@ def from_local(locals: Sequence, mesh: Mesh, placements: Sequence[Placement], sh
         )
     rank, dtype = ranks.pop(), dtypes.pop()
     mesh_shape = tuple(mesh.devices.shape)
-    local_shapes = {np.unravel_index(i, mesh_shape): tuple(a.shape) for i, a in arrays.items()}
+    local_shapes = {tuple(int(c) for c in np.unravel_index(i, mesh_shape)): tuple(a.shape) for i, a in arrays.items()}
     if shape is None:
         shape = _infer_shape(local_shapes, mesh, placements, rank)
     spec = Spec.create(mesh, placements, shape, dtype, where="from_local")
@@ -228,20 +229,14 @@ def from_jax(x: jax.Array) -> DArray:
 
 
 def _infer_shape(local_shapes: dict, mesh: Mesh, placements, rank: int) -> tuple[int, ...]:
-    """Global shape from local shapes: each shard of a dim is counted once, replicas not."""
+    """Global shape from local shapes: the shards of a dim held by the devices at coordinate 0 of
+    every axis that does not shard it, counted once each (the caller then checks every device)."""
     probe = Spec.create(mesh, placements, (0,) * rank, np.float32, where="from_local")
-    mesh_shape = probe.mesh_shape
-    if len(local_shapes) != int(np.prod(mesh_shape)):
+    if len(local_shapes) != probe.mesh.devices.size:
         raise ValueError("from_local: shape=None needs every device's local array (multi-host: pass shape=)")
     shape = []
     for d in range(rank):
         sharding_axes = {a for a, _ in probe.chain(d)}
-        replicas = int(np.prod([n for a, n in enumerate(mesh_shape) if a not in sharding_axes]))
-        total = sum(s[d] for s in local_shapes.values())
-        if total % replicas:
-            raise ValueError(
-                f"from_local: the local sizes of dim {d} do not fit {format_placements(probe.placements)} on "
-                f"{format_mesh(mesh)} (replicas of a shard must have equal shapes)"
-            )
-        shape.append(total // replicas)
+        shape.append(sum(s[d] for coords, s in local_shapes.items()
+                         if all(c == 0 for a, c in enumerate(coords) if a not in sharding_axes)))
     return tuple(shape)

@@ -125,7 +125,7 @@ def plan_redistribute(src, placements, *, cost_model: CostModel | None = None) -
     spec = getattr(src, "spec", src)
     if not isinstance(spec, Spec):
         raise TypeError(f"plan_redistribute: src must be a DArray or a Spec, got {type(src).__name__}")
-    dst = spec.with_placements(placements, where="plan_redistribute")
+    dst = spec.with_placements(placements, where=f"plan_redistribute from {spec}")
     return _plan(spec, dst.placements, cost_model or DEFAULT_COST_MODEL)
 
 

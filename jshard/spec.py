@@ -277,7 +277,7 @@ class Spec:
         placements: list[Placement] = [Replicate()] * len(sizes)
         if getattr(spec, "reduced", None):
             raise LayoutError(f"from_named_sharding: {spec} has `reduced` axes, which have no placement")
-        for d, entry in enumerate(tuple(spec)):
+        for d, entry in enumerate(spec.partitions):
             axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
             for pos, name in enumerate(axes):
                 a = index[name]

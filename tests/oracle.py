@@ -1,0 +1,132 @@
+"""Single-device oracles for the tests, written independently of jshard's own shard math.
+
+- ``reference_indices``: which global indices a device holds, from the torch.chunk formula with Python
+  lists (jshard uses numpy index arrays and a cache).
+- ``partial_parts``: per combination of Partial-axis coordinates, a global "part" array; a device's local
+  block is its part at its indices, so replicas agree and the parts reduce to the value. Values are
+  small integers stored as floats, so sums are exact and every check is bitwise.
+- ``check_darray``: a DArray's per-device blocks against the value, reducing Partial groups on the host.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+import re
+
+import numpy as np
+
+from jshard import Partial, Replicate, Shard, StridedShard
+
+
+def torch_chunk(items: list, n: int) -> list[list]:
+    """torch.chunk sizes: chunk c has clamp(L - c*k, 0, k) items starting at min(c*k, L), k = ceil(L/n)."""
+    k = -(-len(items) // n) if items else 0
+    return [items[min(c * k, len(items)): min(c * k, len(items)) + max(0, min(len(items) - c * k, k))]
+            for c in range(n)]
+
+
+def reference_indices(shape, mesh_shape, placements, coords) -> list[list[int]]:
+    out = []
+    for d, length in enumerate(shape):
+        idx = list(range(length))
+        for axis, p in enumerate(placements):
+            if isinstance(p, Shard) and p.dim == d:
+                idx = torch_chunk(idx, mesh_shape[axis])[coords[axis]]
+            elif isinstance(p, StridedShard) and p.dim == d:
+                blocks = torch_chunk(idx, p.split_factor)
+                idx = [i for b in blocks for i in torch_chunk(b, mesh_shape[axis])[coords[axis]]]
+        out.append(idx)
+    return out
+
+
+def partial_axes(placements):
+    return [a for a, p in enumerate(placements) if isinstance(p, Partial)]
+
+
+def partial_parts(value: np.ndarray, mesh_shape, placements, rng) -> dict:
+    """Parts keyed by the coordinates on the Partial axes, reducing (with the placements' ops) to value."""
+    axes = partial_axes(placements)
+    keys = list(itertools.product(*[range(mesh_shape[a]) for a in axes]))
+    if not axes:
+        return {(): value}
+    ops = {placements[a].op for a in axes}
+    if ops <= {"sum", "avg"}:
+        n_avg = math.prod(mesh_shape[a] for a in axes if placements[a].op == "avg")
+        target = value * n_avg
+        parts = {k: rng.integers(-9, 10, size=value.shape).astype(value.dtype) for k in keys[1:]}
+        parts[keys[0]] = (target - sum(parts.values(), np.zeros_like(value))).astype(value.dtype)
+        return parts
+    op = ops.pop()
+    winner = rng.integers(0, len(keys), size=value.shape)
+    sign = -1 if op == "max" else 1
+    return {k: np.where(winner == i, value, value + sign * rng.integers(1, 5, size=value.shape)).astype(value.dtype)
+            for i, k in enumerate(keys)}
+
+
+def local_blocks(value: np.ndarray, mesh_shape, placements, rng) -> list[np.ndarray]:
+    """Each device's local array (mesh device order) for ``value`` under ``placements``."""
+    parts = partial_parts(value, mesh_shape, placements, rng)
+    axes = partial_axes(placements)
+    out = []
+    for coords in itertools.product(*map(range, mesh_shape)):
+        idx = reference_indices(value.shape, mesh_shape, placements, coords)
+        out.append(parts[tuple(coords[a] for a in axes)][np.ix_(*idx)] if idx else parts[tuple(coords[a] for a in axes)])
+    return out
+
+
+def reduce(op: str, arrays: list[np.ndarray], n_avg: int = 1) -> np.ndarray:
+    if op in ("sum", "avg"):
+        total = sum(arrays[1:], arrays[0].copy())
+        return total / n_avg if n_avg != 1 else total
+    return np.maximum.reduce(arrays) if op == "max" else np.minimum.reduce(arrays)
+
+
+def check_darray(x, value: np.ndarray) -> None:
+    """Every device block of ``x`` against ``value``: local shapes from the reference chunk rule,
+    Partial groups reduced on the host, replicas bitwise equal."""
+    mesh_shape = tuple(x.mesh.devices.shape)
+    placements = x.placements
+    locals_ = [np.asarray(a) for a in x.to_local()]
+    coords_list = list(itertools.product(*map(range, mesh_shape)))
+    by_coords = dict(zip(coords_list, locals_))
+    axes = partial_axes(placements)
+    groups = collections.defaultdict(list)
+    for coords, local in by_coords.items():
+        idx = reference_indices(value.shape, mesh_shape, placements, coords)
+        assert local.shape == tuple(map(len, idx)), (x, coords, local.shape, tuple(map(len, idx)))
+        key = tuple(c for a, c in enumerate(coords) if a not in axes)
+        groups[key].append((coords, local, idx))
+    for key, members in groups.items():
+        idx = members[0][2]
+        want = value[np.ix_(*idx)] if idx else value
+        if axes:
+            ops = {placements[a].op for a in axes}
+            op = "sum" if ops <= {"sum", "avg"} else ops.pop()
+            n_avg = math.prod(mesh_shape[a] for a in axes if placements[a].op == "avg")
+            got = reduce(op, [m[1] for m in members], n_avg)
+        else:
+            got = members[0][1]
+        assert np.array_equal(got, want), f"{x}: devices {key} (non-Partial coords) hold\n{got}\nwant\n{want}"
+    # replicas: devices that differ only on Replicate axes hold bitwise-equal blocks
+    rep_axes = [a for a, p in enumerate(placements) if isinstance(p, Replicate)]
+    replicas = collections.defaultdict(list)
+    for coords, local in by_coords.items():
+        replicas[tuple(c for a, c in enumerate(coords) if a not in rep_axes)].append(local)
+    for members in replicas.values():
+        for m in members[1:]:
+            assert m.tobytes() == members[0].tobytes(), f"{x}: replicas differ"
+
+
+HLO_KINDS = {"all_gather": "all-gather", "all_reduce": "all-reduce", "reduce_scatter": "reduce-scatter",
+             "all_to_all": "all-to-all"}
+
+
+def hlo_collectives(compiled_text: str) -> collections.Counter:
+    pat = r"\s(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\("
+    return collections.Counter(re.findall(pat, compiled_text))
+
+
+def plan_collectives(plan) -> collections.Counter:
+    return collections.Counter(HLO_KINDS[s.kind] for s in plan.collectives)

@@ -1,0 +1,98 @@
+"""Redistribution against the single-device oracle: every (src, dst) gives back the original value."""
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
+
+import jshard
+from conftest import make_mesh
+from jshard import Partial, PlacementError, Replicate, Shard, StridedShard
+from jshard.lowering import compile_plan
+from jshard.placements import normalize_placements
+from oracle import check_darray, hlo_collectives, local_blocks, plan_collectives
+
+
+def valid(placements, mesh_shape, rank):
+    try:
+        normalize_placements(placements, len(mesh_shape), rank)
+        return True
+    except PlacementError:
+        return False
+
+
+def placement_st(rank):
+    kinds = [st.just(Replicate()), st.sampled_from([Partial(op) for op in ("sum", "avg", "max", "min")])]
+    if rank:
+        kinds += [st.builds(Shard, st.integers(0, rank - 1)),
+                  st.builds(StridedShard, st.integers(0, rank - 1), st.integers(2, 3))]
+    return st.one_of(*kinds)
+
+
+def run_pair(mesh_shape, shape, src, dst, rng, *, dtype=np.float32, check_hlo=False):
+    mesh = make_mesh(mesh_shape)
+    value = rng.integers(-30, 30, size=shape).astype(dtype)
+    x = jshard.from_local(local_blocks(value, mesh_shape, src, rng), mesh, src, shape=shape)
+    check_darray(x, value)
+    y = x.redistribute(dst)
+    assert y.placements == normalize_placements(dst, len(mesh_shape), len(shape))
+    check_darray(y, value)
+    if check_hlo:
+        plan = jshard.plan_redistribute(x, dst)
+        hlo = compile_plan(plan).lower(x.block).compile().as_text()
+        assert hlo_collectives(hlo) == plan_collectives(plan), (str(plan), hlo_collectives(hlo))
+    return x, y, value
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from([(8,), (2, 4), (4, 2), (2, 2, 2)]),
+       st.lists(st.integers(1, 13), min_size=1, max_size=3), st.data())
+def test_random_pairs_match_single_device(mesh_shape, shape, data):
+    rank = len(shape)
+    src = tuple(data.draw(placement_st(rank)) for _ in mesh_shape)
+    dst = tuple(data.draw(placement_st(rank)) for _ in mesh_shape)
+    assume(valid(src, mesh_shape, rank) and valid(dst, mesh_shape, rank))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    run_pair(mesh_shape, tuple(shape), src, dst, rng, check_hlo=True)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.float16])
+@pytest.mark.parametrize("src, dst", [
+    ((Partial(), Partial("avg")), (Shard(0), Shard(1))),
+    ((Shard(1), Partial("max")), (Partial("max"), Shard(0))),
+    ((Partial("min"), Shard(0)), (Replicate(), Partial("min"))),
+    ((StridedShard(0, 2), Shard(1)), (Shard(1), StridedShard(0, 3))),
+])
+def test_other_dtypes(dtype, src, dst):
+    run_pair((2, 4), (6, 10), src, dst, np.random.default_rng(1), dtype=dtype, check_hlo=True)
+
+
+def test_rank0_and_empty_shards():
+    rng = np.random.default_rng(2)
+    run_pair((2, 4), (), (Partial(), Partial("avg")), (Replicate(), Partial()), rng)
+    run_pair((2, 2, 2), (1, 3), (Shard(0), Shard(1), Shard(1)), (Shard(1), Shard(0), Partial("max")), rng)
+
+
+SWEEP_SET = [Replicate(), Shard(0), Shard(1), Partial("sum"), Partial("avg"), Partial("max")]
+
+
+def sweep_pairs():
+    placements = [p for p in itertools.product(SWEEP_SET, repeat=2) if valid(p, (2, 4), 2)]
+    return list(itertools.product(placements, placements))
+
+
+@pytest.mark.parametrize("shape", [(6, 10), (16, 24)], ids=["uneven-6x10", "even-16x24"])
+def test_sweep_all_pairs_on_2x4(shape):
+    """Every (src, dst) pair of {R, S(0), S(1), P(sum), P(avg), P(max)} per axis on mesh (2, 4)."""
+    mesh_shape = (2, 4)
+    mesh = make_mesh(mesh_shape)
+    rng = np.random.default_rng(3)
+    value = rng.integers(-30, 30, size=shape).astype(np.float32)
+    sources = {}
+    pairs = sweep_pairs()
+    assert len(pairs) == 32 * 32
+    for src, dst in pairs:
+        if src not in sources:
+            sources[src] = jshard.from_local(local_blocks(value, mesh_shape, src, rng), mesh, src, shape=shape)
+        check_darray(sources[src].redistribute(dst), value)
