@@ -14,10 +14,10 @@ demo: $(VENV)/.installed
 	$(PY) -m jshard.demo
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q jshard tests
+	$(PY) -m pytest -q tests
 
 test-all: $(VENV)/.installed
-	$(PY) -m pytest -q -m '' jshard tests
+	$(PY) -m pytest -q -m "" tests
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/redistribute.py

@@ -142,83 +142,125 @@ def _padded_lengths(shape: tuple[int, ...], mesh_shape: tuple[int, ...], state: 
     )
 
 
-class _Search:
-    """Dijkstra over placement states for one (spec, target, cost model)."""
+def _requirement(merge_key):
+    """What an open run of collectives can still serve without a launch (see ``_Search.heuristic``)."""
+    kind, what = merge_key
+    return merge_key if kind == "all_gather" else what if kind == "all_reduce" else "sum"
 
-    def __init__(self, spec: Spec, dst: tuple[Placement, ...], model: CostModel):
-        self.shape, self.sizes, self.dst, self.model = spec.shape, spec.mesh_shape, dst, model
+
+class _Search:
+    """A* over placement states for one (spec, target, cost model).
+
+    States are tuples of small ints (placements interned per search: the replicate placement, the
+    source's and the target's) so that hashing and tests stay cheap on large meshes.
+    """
+
+    def __init__(self, spec: Spec, start: tuple[Placement, ...], dst: tuple[Placement, ...], model: CostModel):
+        self.shape, self.sizes, self.model = spec.shape, spec.mesh_shape, model
         self.names = tuple(spec.mesh.axis_names)
         self.itemsize = spec.itemsize
-        # admissible lower bound of what an axis still needs: its hops, and one launch overall
-        self.hop = [(n - 1) * model.axis(a).latency_us for a, n in zip(self.names, self.sizes)]
+        self.table = list(dict.fromkeys((_R, *start, *dst)))
+        ids = {p: i for i, p in enumerate(self.table)}
+        self.start, self.dst = tuple(ids[p] for p in start), tuple(ids[p] for p in dst)
+        self.shard_dim = [p.dim if p.is_shard else -1 for p in self.table]
+        self.op = [p.op if p.is_partial else None for p in self.table]
+        self.fillable = [p.is_partial and p.op != "avg" for p in self.table]
+        # per axis: the cost of a collective is launch + hops + bytes * per-byte cost
+        self.hop = {k: [] for k in COLLECTIVE_KINDS}
+        self.per_byte = {k: [] for k in COLLECTIVE_KINDS}
+        for name, n in zip(self.names, self.sizes):
+            for k in COLLECTIVE_KINDS:
+                base = model.collective(k, (name,), n, 0, launch=False)
+                self.hop[k].append(base)
+                self.per_byte[k].append(model.collective(k, (name,), n, 1, launch=False) - base)
+        self.min_hop = [min(self.hop[k][a] for k in COLLECTIVE_KINDS) for a in range(len(self.sizes))]
+        self._padded: dict = {}
 
-    def partials_ok(self, state) -> bool:
-        ops = {p.op for p, n in zip(state, self.sizes) if p.is_partial and n > 1}
-        return len(ops) <= 1 or ops <= {"sum", "avg"}
+    def decode(self, state) -> tuple[Placement, ...]:
+        return tuple(self.table[i] for i in state)
 
-    def padded(self, state):
-        return _padded_lengths(self.shape, self.sizes, state)
+    def padded(self, state) -> tuple[int, ...]:
+        got = self._padded.get(state)
+        if got is None:
+            got = self._padded[state] = _padded_lengths(self.shape, self.sizes, self.decode(state))
+        return got
 
     def nbytes(self, state) -> int:
         return self.itemsize * math.prod(self.padded(state))
 
-    def needs_collective(self, p, q) -> bool:
-        return p != q and not p.is_replicate and not (p.is_shard and q.is_partial and q.op != "avg")
+    def partials_ok(self, state) -> bool:
+        ops = {self.op[p] for p, n in zip(state, self.sizes) if self.op[p] and n > 1}
+        return len(ops) <= 1 or ops <= {"sum", "avg"}
 
-    def heuristic(self, state) -> float:
-        hops = [h for p, q, h in zip(state, self.dst, self.hop) if self.needs_collective(p, q)]
-        return self.model.launch_us + sum(hops) if hops else 0.0
+    def heuristic(self, state, open_key) -> float:
+        """Admissible: every axis still needing a collective pays its cheapest hops; each dim (or
+        reduce op) still needing one pays a launch, except the run that is already open."""
+        hops, classes = 0.0, set()
+        for a, (p, q) in enumerate(zip(state, self.dst)):
+            if p == q or p == 0:
+                continue
+            if self.shard_dim[p] >= 0:
+                if self.fillable[q]:
+                    continue
+                classes.add(("all_gather", self.shard_dim[p]))
+            else:
+                classes.add("sum" if self.op[p] == "avg" else self.op[p])
+            hops += self.min_hop[a]
+        if not classes:
+            return 0.0
+        launches = len(classes) - (open_key is not None and _requirement(open_key) in classes)
+        return launches * self.model.launch_us + hops
 
     def moves(self, state):
-        """(axis, new placement, kind, merge key, bytes) for every edge out of ``state``."""
+        """(axis, new placement id, kind, merge key, dim) for every useful edge out of ``state``."""
+        dim_of, dst = self.shard_dim, self.dst
         inner = {}
         for a, p in enumerate(state):
-            if p.is_shard:
-                inner[p.dim] = a
+            if dim_of[p] >= 0:
+                inner[dim_of[p]] = a
         for i, p in enumerate(state):
-            q = self.dst[i]
+            q = dst[i]
             if self.sizes[i] == 1:
                 continue
-            if p.is_shard:
-                if inner[p.dim] != i:
+            d, e = dim_of[p], dim_of[q]
+            if d >= 0:
+                if inner[d] != i:
                     continue
-                yield i, _R, "all_gather", ("all_gather", p.dim), None
-                if q.is_partial and q.op != "avg":
+                # an axis already in place is gathered only to let an earlier axis on its dim change
+                if p != q or any(state[j] != dst[j] and d in (dim_of[state[j]], dim_of[dst[j]]) for j in range(i)):
+                    yield i, 0, "all_gather", ("all_gather", d), d
+                if self.fillable[q]:
                     yield i, q, "fill", None, None
-                if q.is_shard and q.dim != p.dim and inner.get(q.dim, -1) < i:
-                    yield i, q, "all_to_all", None, q.dim
-            elif p.is_partial:
+                if e >= 0 and e != d and inner.get(e, -1) < i:
+                    yield i, q, "all_to_all", None, e
+            elif p:
                 if p == q:
                     continue
-                yield i, _R, "all_reduce", ("all_reduce", "sum" if p.op == "avg" else p.op), None
-                if q.is_shard and p.op in ("sum", "avg") and inner.get(q.dim, -1) < i:
-                    yield i, q, "reduce_scatter", ("reduce_scatter", q.dim), q.dim
-            elif q.is_shard and inner.get(q.dim, -1) < i:
-                yield i, q, "slice", None, None
-            elif q.is_partial:
+                op = self.op[p]
+                yield i, 0, "all_reduce", ("all_reduce", "sum" if op == "avg" else op), None
+                if e >= 0 and op in ("sum", "avg") and inner.get(e, -1) < i:
+                    yield i, q, "reduce_scatter", ("reduce_scatter", e), e
+            elif e >= 0:
+                if inner.get(e, -1) < i:
+                    yield i, q, "slice", None, None
+            elif q:
                 yield i, q, "partition", None, None
-
-    def edge_bytes(self, state, new, kind, dim) -> int:
-        if kind in LOCAL_KINDS:
-            return 0
-        if kind in ("reduce_scatter", "all_to_all"):
-            i = next(a for a, (p, q) in enumerate(zip(state, new)) if p != q)
-            return self.buffer_bytes(state, new, dim, self.sizes[i])
-        return self.nbytes(state)
 
     def buffer_bytes(self, state, new, dim, group_size) -> int:
         """Input of a reduce_scatter or all_to_all: one padded target chunk of ``dim`` per device."""
         before, after = self.padded(state), self.padded(new)
         return self.nbytes(state) // before[dim] * group_size * after[dim] if before[dim] else 0
 
-    def run(self, start) -> list[tuple]:
-        dst = self.dst
+    def run(self) -> list[tuple]:
+        """The cheapest path as (axis, state before, state after, kind, merge key) edges."""
+        start, dst = self.start, self.dst
         tie = itertools.count()
         best = {(start, None): 0.0}
-        heap = [(self.heuristic(start), 0.0, 0, next(tie), start, None)]
+        heap = [(self.heuristic(start, None), 0.0, next(tie), start, None)]
         back = {}
+        launch = self.model.launch_us
         while heap:
-            _, cost, nsteps, _, state, open_key = heapq.heappop(heap)
+            _, cost, _, state, open_key = heapq.heappop(heap)
             if state == dst:
                 path, node = [], (state, open_key)
                 while node in back:
@@ -229,26 +271,29 @@ class _Search:
                 continue
             for i, q, kind, key, dim in self.moves(state):
                 new = state[:i] + (q,) + state[i + 1:]
-                if not self.partials_ok(new):
+                if self.op[q] and not self.partials_ok(new):
                     continue
-                nbytes = self.edge_bytes(state, new, kind, dim if kind != "all_gather" else None)
-                step_cost = 0.0 if kind in LOCAL_KINDS else self.model.collective(
-                    kind, (self.names[i],), self.sizes[i], nbytes, launch=key is None or key != open_key)
-                total = cost + step_cost
+                if kind in LOCAL_KINDS:
+                    total = cost
+                else:
+                    nbytes = (self.nbytes(state) if kind in ("all_gather", "all_reduce")
+                              else self.buffer_bytes(state, new, dim, self.sizes[i]))
+                    total = (cost + self.hop[kind][i] + nbytes * self.per_byte[kind][i]
+                             + (launch if key is None or key != open_key else 0.0))
                 node = (new, key)
                 if total < best.get(node, math.inf) - 1e-9:
                     best[node] = total
                     back[node] = ((state, open_key), (i, state, new, kind, key))
-                    heapq.heappush(heap, (total + self.heuristic(new), total, nsteps + 1, next(tie), new, key))
-        raise AssertionError(f"no redistribution path to {format_placements(dst)}")  # all-R always reaches dst
+                    heapq.heappush(heap, (total + self.heuristic(new, key), total, next(tie), new, key))
+        raise AssertionError(f"no redistribution path to {format_placements(self.decode(dst))}")
 
 
 @lru_cache(maxsize=16384)
 def _plan(spec: Spec, dst: tuple[Placement, ...], model: CostModel) -> Plan:
     # a size-1 axis holds the whole value whatever its placement: relabel it for free
     start = tuple(q if n == 1 else p for p, q, n in zip(spec.placements, dst, spec.mesh_shape))
-    search = _Search(spec, dst, model)
-    return Plan(spec, spec.with_placements(dst), tuple(_merge(search, search.run(start))))
+    search = _Search(spec, start, dst, model)
+    return Plan(spec, spec.with_placements(dst), tuple(_merge(search, search.run())))
 
 
 def _merge(search: _Search, edges) -> list[Step]:
@@ -259,7 +304,8 @@ def _merge(search: _Search, edges) -> list[Step]:
     for _, group in groups:
         group = list(group)
         axes_idx = [e[0] for e in group]
-        kind, first, last = group[0][3], group[0][1], group[-1][2]
+        kind, first_ids, last_ids = group[0][3], group[0][1], group[-1][2]
+        first, last = search.decode(first_ids), search.decode(last_ids)
         names = search.names
         dim = split_dim = op = None
         scale = 1
@@ -282,9 +328,9 @@ def _merge(search: _Search, edges) -> list[Step]:
         nbytes = 0
         cost = 0.0
         if kind in COLLECTIVE_KINDS:
-            nbytes = (search.buffer_bytes(first, last, dim, group_size) if kind == "reduce_scatter"
-                      else search.buffer_bytes(first, last, split_dim, group_size) if kind == "all_to_all"
-                      else search.nbytes(first))
+            nbytes = (search.buffer_bytes(first_ids, last_ids, dim, group_size) if kind == "reduce_scatter"
+                      else search.buffer_bytes(first_ids, last_ids, split_dim, group_size) if kind == "all_to_all"
+                      else search.nbytes(first_ids))
             cost = search.model.collective(kind, tuple(names[a] for a in order), group_size, nbytes)
         steps.append(Step(kind, tuple(names[a] for a in order), first, last, dim, split_dim, op, scale, nbytes, cost))
     return steps

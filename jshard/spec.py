@@ -141,7 +141,7 @@ class Spec:
         if not isinstance(mesh, Mesh):
             raise TypeError(f"{where}: mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh(...)), got {mesh!r}")
         shape = tuple(int(s) for s in shape)
-        dtype = np.dtype(dtype)
+        dtype = np.dtype(jax.dtypes.canonicalize_dtype(dtype))  # what JAX stores: f64 -> f32 without x64
         placements = normalize_placements(placements, mesh.devices.ndim, len(shape), where=where)
         if dtype == np.bool_ and any(p.is_partial for p in placements):
             raise PlacementError(
@@ -224,9 +224,9 @@ class Spec:
         >>> import jax; from jshard import Shard, StridedShard, Partial
         >>> mesh = jax.make_mesh((2, 4), ("dp", "tp"))
         >>> Spec.create(mesh, (StridedShard(0, 4), Shard(0)), (16, 8), "float32").to_partition_spec()
-        PartitionSpec(('tp', 'dp'), None)
+        P(('tp', 'dp'), None)
         >>> Spec.create(mesh, (Shard(1), Partial()), (16, 8), "float32").to_partition_spec()
-        PartitionSpec(None, 'dp', unreduced={'tp'})
+        P(None, 'dp', unreduced={'tp'})
         """
         names = self.mesh.axis_names
         entries = []

@@ -181,3 +181,8 @@ def test_bad_distribute_names_op():
     with pytest.raises(PlacementError, match="^distribute: .*bool"):
         jshard.distribute(value > 0, make_mesh((2, 4)), [Partial(), Replicate()])
     assert value.dtype == np.float32 and value.shape == (4, 4)
+
+
+def test_spec_dtype_is_what_jax_stores():
+    x = jshard.distribute(np.arange(4.0), make_mesh((8,)), [Shard(0)])  # float64 input, x64 off
+    assert x.dtype == x.block.dtype == np.float32 and str(x.spec).startswith("f32[4]")
