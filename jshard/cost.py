@@ -23,6 +23,7 @@ _VOLUME = {
     "reduce_scatter": lambda n: (n - 1) / n,
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "all_to_all": lambda n: (n - 1) / n,
+    "permute": lambda n: 1,
 }
 _HOPS = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2, "all_to_all": 1}
 COLLECTIVES = tuple(_VOLUME)
@@ -63,8 +64,9 @@ class CostModel:
         costs = [self.axis(a) for a in axis_names]
         latency = max(c.latency_us for c in costs)
         bandwidth = min(c.bandwidth_gbps for c in costs)
+        hops = 1 if kind == "permute" else _HOPS[kind] * (group_size - 1)  # a permute is one point-to-point hop
         return (
             (self.launch_us if launch else 0.0)
-            + _HOPS[kind] * (group_size - 1) * latency
+            + hops * latency
             + nbytes * _VOLUME[kind](group_size) / (bandwidth * 1e3)
         )

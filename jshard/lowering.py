@@ -157,6 +157,25 @@ class _Select:
         return jnp.take(x, jnp.asarray(values, dtype=jnp.int32), axis=self.dim, mode="clip")
 
 
+def _permute(mesh, step: Step, cur, tgt) -> Callable:
+    """Device c takes the block of the device whose coordinate on axis i is c's on axis perm[i]."""
+    names = tuple(mesh.axis_names)
+    sigma = step.perm
+    moved = [i for i in range(len(sigma)) if sigma[i] != i]
+    sizes = [mesh.devices.shape[i] for i in moved]
+    pairs = []
+    for t in np.ndindex(*sizes):
+        coord = dict(zip(moved, t))
+        source = tuple(coord[sigma[i]] for i in moved)
+        pairs.append((int(np.ravel_multi_index(source, sizes)), int(np.ravel_multi_index(t, sizes))))
+    for c in np.ndindex(*mesh.devices.shape):
+        src = tuple(c[sigma[i]] for i in range(len(sigma)))
+        if not all(np.array_equal(a[src], b[c]) for a, b in zip(cur, tgt)):
+            raise AssertionError(f"lowering bug in {step}: device {c} would not receive its target block")
+    axes = tuple(names[i] for i in moved)  # ppermute numbers devices in mesh order whatever the tuple order
+    return lambda x: lax.ppermute(x, axes, pairs)
+
+
 def _lower_step(mesh, step: Step, spec: Spec) -> Callable:
     names = tuple(mesh.axis_names)
     axis_of = {n: i for i, n in enumerate(names)}
@@ -184,6 +203,9 @@ def _lower_step(mesh, step: Step, spec: Spec) -> Callable:
         d = step.dim
         pre = _Select(_find(cur[d], _group_concat(tgt[d], axes), fill=None, what=what), cur[d].shape[-1], names, d)
         return lambda x: scale(lax.psum_scatter(pre(x), step.axes, scatter_dimension=d, tiled=True))
+
+    if step.kind == "permute":
+        return _permute(mesh, step, cur, tgt)
 
     if step.kind == "all_to_all":
         d, e = step.dim, step.split_dim

@@ -13,6 +13,9 @@ S(d) -> S(e)                  all_to_all           the axis is the last on d, no
 R -> S(d)/SS(d)               slice (local)        no later axis shards d
 R -> P(op)                    partition (local)    exact: sum keeps the value on coordinate 0
 S(d) -> P(sum|max|min)        fill (local)         the axis is the last on d; the rest is the identity
+the target, relabelled        permute              the placements are the target's on equal-size
+                                                   axes in another order: one ppermute moves
+                                                   every block to its new owner
 ============================  ==================  ===============================================
 
 "Last" is in mesh order, the order in which placements apply: only the innermost cut of a dim can be
@@ -38,13 +41,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .cost import CostModel
-from .placements import Partial, Placement, PlacementError, Replicate, format_placements
+from .placements import Placement, Replicate, StridedShard, format_placements
 from .spec import Spec, _cut_order, dim_layout
 
 __all__ = ["Step", "Plan", "plan_redistribute", "DEFAULT_COST_MODEL"]
 
 DEFAULT_COST_MODEL = CostModel()
-COLLECTIVE_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+COLLECTIVE_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "permute")
 LOCAL_KINDS = ("slice", "partition", "fill")
 _R = Replicate()
 
@@ -56,7 +59,8 @@ class Step:
     ``axes`` are mesh axis names in the order of the collective's axis tuple; ``src``/``dst`` are the
     placements before and after; ``dim`` is the tensor dim gathered, scattered or (all_to_all) concatenated,
     ``split_dim`` the dim an all_to_all splits; ``op`` the reduction (``sum``, ``max`` or ``min``) and
-    ``scale`` the divisor that turns a sum into an average. ``bytes`` is each device's input buffer.
+    ``scale`` the divisor that turns a sum into an average; ``perm`` (permute) gives, per mesh axis, the
+    source axis whose coordinate a device takes its block from. ``bytes`` is each device's input buffer.
     """
 
     kind: str
@@ -69,6 +73,7 @@ class Step:
     scale: int = 1
     bytes: int = 0
     cost: float = 0.0
+    perm: tuple[int, ...] | None = None
 
     @property
     def is_collective(self) -> bool:
@@ -246,6 +251,28 @@ class _Search:
             elif q:
                 yield i, q, "partition", None, None
 
+    def relabelling(self, state) -> tuple[int, ...] | None:
+        """``sigma`` with ``dst[sigma[i]] == state[i]`` over equal-size axes, keeping the order of the
+        axes that shard each dim, or None. Strided shards are left to the other edges."""
+        if state == self.dst or any(isinstance(self.table[p], StridedShard) for p in state + self.dst):
+            return None
+        sigma = [i if p == q else None for i, (p, q) in enumerate(zip(state, self.dst))]
+        free = {}
+        for j, q in enumerate(self.dst):
+            if sigma[j] is None:
+                free.setdefault((q, self.sizes[j]), []).append(j)
+        for i, p in enumerate(state):
+            if sigma[i] is None:
+                slots = free.get((p, self.sizes[i]))
+                if not slots:
+                    return None
+                sigma[i] = slots.pop(0)
+        for d in range(len(self.shape)):
+            chain = [sigma[i] for i, p in enumerate(state) if self.shard_dim[p] == d]
+            if chain != sorted(chain):
+                return None
+        return tuple(sigma)
+
     def buffer_bytes(self, state, new, dim, group_size) -> int:
         """Input of a reduce_scatter or all_to_all: one padded target chunk of ``dim`` per device."""
         before, after = self.padded(state), self.padded(new)
@@ -285,6 +312,15 @@ class _Search:
                     best[node] = total
                     back[node] = ((state, open_key), (i, state, new, kind, key))
                     heapq.heappush(heap, (total + self.heuristic(new, key), total, next(tie), new, key))
+            sigma = self.relabelling(state)
+            if sigma is not None:
+                moved = tuple(self.names[i] for i in range(len(sigma)) if sigma[i] != i)
+                total = cost + self.model.collective("permute", moved, 2, self.nbytes(state))
+                node = (dst, None)
+                if total < best.get(node, math.inf) - 1e-9:
+                    best[node] = total
+                    back[node] = ((state, open_key), (sigma, state, dst, "permute", None))
+                    heapq.heappush(heap, (total, total, next(tie), dst, None))
         raise AssertionError(f"no redistribution path to {format_placements(self.decode(dst))}")
 
 
@@ -303,10 +339,18 @@ def _merge(search: _Search, edges) -> list[Step]:
                                else id(e))
     for _, group in groups:
         group = list(group)
-        axes_idx = [e[0] for e in group]
         kind, first_ids, last_ids = group[0][3], group[0][1], group[-1][2]
         first, last = search.decode(first_ids), search.decode(last_ids)
         names = search.names
+        if kind == "permute":
+            sigma = group[0][0]
+            moved = tuple(i for i in range(len(sigma)) if sigma[i] != i)
+            nbytes = search.nbytes(first_ids)
+            cost = search.model.collective("permute", tuple(names[i] for i in moved), 2, nbytes)
+            steps.append(Step("permute", tuple(names[i] for i in moved), first, last, bytes=nbytes, cost=cost,
+                              perm=sigma))
+            continue
+        axes_idx = [e[0] for e in group]
         dim = split_dim = op = None
         scale = 1
         if kind == "all_gather":

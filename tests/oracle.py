@@ -120,7 +120,7 @@ def check_darray(x, value: np.ndarray) -> None:
 
 
 HLO_KINDS = {"all_gather": "all-gather", "all_reduce": "all-reduce", "reduce_scatter": "reduce-scatter",
-             "all_to_all": "all-to-all"}
+             "all_to_all": "all-to-all", "permute": "collective-permute"}
 
 
 def hlo_collectives(compiled_text: str) -> collections.Counter:
