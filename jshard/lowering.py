@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .planner import Plan, Step
 from .spec import Spec
 
-__all__ = ["compile_plan", "reduce_identity"]
+__all__ = ["compile_plan", "local_program", "reduce_identity"]
 
 
 def reduce_identity(op: str, dtype) -> np.generic:
@@ -51,13 +51,10 @@ def compile_plan(plan: Plan, *, global_in: bool = False, global_out: bool = Fals
     mesh = plan.src.mesh
     names = tuple(mesh.axis_names)
     k = len(names)
-    steps = [_lower_step(plan.src.mesh, step, plan.src) for step in plan.steps]
+    run = local_program(plan)
 
     def body(x):
-        if not global_in:
-            x = x.reshape(x.shape[k:])
-        for fn in steps:
-            x = fn(x)
+        x = run(x if global_in else x.reshape(x.shape[k:]))
         return x if global_out else x.reshape((1,) * k + x.shape)
 
     block_spec = PartitionSpec(*names)
@@ -65,6 +62,21 @@ def compile_plan(plan: Plan, *, global_in: bool = False, global_out: bool = Fals
                        out_specs=PartitionSpec() if global_out else block_spec, check_vma=False)
     out_sharding = NamedSharding(mesh, PartitionSpec() if global_out else block_spec)
     return jax.jit(fn, out_shardings=out_sharding)
+
+
+def local_program(plan: Plan) -> Callable:
+    """The per-device function of ``plan``: a padded local block in, the target's padded block out.
+
+    Call it inside ``shard_map`` over all mesh axes (it uses collectives and ``axis_index``).
+    """
+    steps = [_lower_step(plan.src.mesh, step, plan.src) for step in plan.steps]
+
+    def run(x):
+        for fn in steps:
+            x = fn(x)
+        return x
+
+    return run
 
 
 # ---------------------------------------------------------------------------------------------------
