@@ -24,6 +24,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from .exchange import exchange_schedule
 from .planner import Plan, Step
 from .spec import Spec
 
@@ -133,40 +134,85 @@ def _find(buffer: np.ndarray, target: np.ndarray, *, fill: int | None, what: str
 # emitting JAX
 
 
+class _PerDevice:
+    """A static table with one row per device (shape ``mesh_shape + row``), read by the running device.
+
+    Only the mesh axes it varies along are indexed at run time; a table equal on all devices is static.
+    """
+
+    def __init__(self, values: np.ndarray, names: tuple[str, ...]):
+        k = len(names)
+        self.names = names
+        self.axes = tuple(a for a in range(k) if not np.all(values == values.take([0], axis=a)))
+        self.values = values[tuple(slice(None) if a in self.axes else 0 for a in range(k))]
+
+    def __call__(self):
+        if not self.axes:
+            return self.values
+        return jnp.asarray(self.values)[tuple(lax.axis_index(self.names[a]) for a in self.axes)]
+
+
 class _Select:
     """Re-index one tensor dim with a per-device table, as cheaply as its shape allows."""
 
     def __init__(self, table: np.ndarray, buffer_len: int, names: tuple[str, ...], dim: int):
-        self.dim, self.names = dim, names
-        mesh_shape, m = table.shape[:-1], table.shape[-1]
+        self.dim, self.m = dim, table.shape[-1]
         valid = table >= 0
-        cols = np.arange(m)
-        offsets = table - cols
+        offsets = table - np.arange(self.m)
         first = valid.argmax(axis=-1)[..., None]
         starts = np.where(valid.any(axis=-1), np.take_along_axis(offsets, first, axis=-1)[..., 0], 0)
         contiguous = (bool(np.all(~valid | (offsets == starts[..., None])))
-                      and bool(np.all((starts >= 0) & (starts + m <= buffer_len))))
-        if contiguous:
-            self.kind, values = "slice", starts[..., None]
-        else:
-            self.kind, values = "take", np.where(valid, table, 0)
-        self.axes = tuple(a for a in range(len(mesh_shape)) if not np.all(values == values.take([0], axis=a)))
-        index = tuple(slice(None) if a in self.axes else 0 for a in range(len(mesh_shape)))
-        self.values = values[index]
-        self.identity = (self.kind == "slice" and not self.axes and int(self.values[0]) == 0 and m == buffer_len)
-        self.m = m
+                      and bool(np.all((starts >= 0) & (starts + self.m <= buffer_len))))
+        self.slice = contiguous
+        self.rows = _PerDevice(starts[..., None] if contiguous else np.where(valid, table, 0), names)
+        self.identity = contiguous and not self.rows.axes and int(self.rows.values[0]) == 0 and self.m == buffer_len
 
     def __call__(self, x):
         if self.identity:
             return x
-        values = self.values
-        if self.axes:
-            values = jnp.asarray(values)[tuple(lax.axis_index(self.names[a]) for a in self.axes)]
-        if self.kind == "slice":
-            if not self.axes:
-                return lax.slice_in_dim(x, int(values[0]), int(values[0]) + self.m, axis=self.dim)
-            return lax.dynamic_slice_in_dim(x, values[0].astype(jnp.int32), self.m, axis=self.dim)
-        return jnp.take(x, jnp.asarray(values, dtype=jnp.int32), axis=self.dim, mode="clip")
+        row = self.rows()
+        if self.slice:
+            if not self.rows.axes:
+                return lax.slice_in_dim(x, int(row[0]), int(row[0]) + self.m, axis=self.dim)
+            return lax.dynamic_slice_in_dim(x, row[0].astype(jnp.int32), self.m, axis=self.dim)
+        return jnp.take(x, jnp.asarray(row, dtype=jnp.int32), axis=self.dim, mode="clip")
+
+
+def _exchange(mesh, step: Step, spec: Spec) -> Callable:
+    """Rounds of ppermute, each sending one sub-block per device (see ``jshard.exchange``)."""
+    names = tuple(mesh.axis_names)
+    mesh_shape = tuple(mesh.devices.shape)
+    src, dst = spec.with_placements(step.src), spec.with_placements(step.dst)
+    schedule = exchange_schedule(src, dst)
+    padded = dst.local_block_shape
+    n = len(list(np.ndindex(*mesh_shape)))
+
+    def tables(transfers, shape):
+        send = [np.zeros((n, m), dtype=np.int32) for m in shape]
+        recv = [np.full((n, m), padded[d], dtype=np.int32) for d, m in enumerate(shape)]  # padding -> spare slot
+        for t in transfers:
+            for d in range(len(shape)):
+                send[d][t.source, : len(t.src_pos[d])] = t.src_pos[d]
+                recv[d][t.target, : len(t.dst_pos[d])] = t.dst_pos[d]
+        wrap = lambda ts: [_PerDevice(a.reshape(mesh_shape + a.shape[-1:]), names) for a in ts]
+        return wrap(send), wrap(recv)
+
+    local = None
+    if schedule.local:
+        local = tables(schedule.local, tuple(max(s) for s in zip(*(t.shape for t in schedule.local))))
+    rounds = [(tables(r, schedule.round_shape(i)), [(t.source, t.target) for t in r])
+              for i, r in enumerate(schedule.rounds)]
+
+    def run(x):
+        ix = lambda rows: jnp.ix_(*[jnp.asarray(r()) for r in rows])
+        out = jnp.zeros(tuple(p + 1 for p in padded), x.dtype)
+        if local is not None:
+            out = out.at[ix(local[1])].set(x[ix(local[0])])
+        for (send, recv), pairs in rounds:
+            out = out.at[ix(recv)].set(lax.ppermute(x[ix(send)], names, pairs))
+        return out[tuple(slice(0, p) for p in padded)]
+
+    return run
 
 
 def _permute(mesh, step: Step, cur, tgt) -> Callable:
@@ -218,6 +264,9 @@ def _lower_step(mesh, step: Step, spec: Spec) -> Callable:
 
     if step.kind == "permute":
         return _permute(mesh, step, cur, tgt)
+
+    if step.kind == "exchange":
+        return _exchange(mesh, step, spec)
 
     if step.kind == "all_to_all":
         d, e = step.dim, step.split_dim

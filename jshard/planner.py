@@ -18,6 +18,10 @@ the target, relabelled        permute              the placements are the target
                                                    every block to its new owner
 ============================  ==================  ===============================================
 
+Besides the search, where the Partial axes stay as they are, an ``exchange`` (``jshard.exchange``)
+sends every device exactly the sub-blocks it lacks in rounds of ppermute; it is taken when it is
+cheaper than the best path of collectives.
+
 "Last" is in mesh order, the order in which placements apply: only the innermost cut of a dim can be
 gathered, scattered or sliced without disturbing the others. Costs come from the alpha-beta
 ``CostModel``; a collective that continues a run of the same kind on the same dim pays no second launch,
@@ -40,6 +44,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from . import exchange
 from .cost import CostModel
 from .placements import Placement, Replicate, StridedShard, format_placements
 from .spec import Spec, _cut_order, dim_layout
@@ -47,8 +52,9 @@ from .spec import Spec, _cut_order, dim_layout
 __all__ = ["Step", "Plan", "plan_redistribute", "DEFAULT_COST_MODEL"]
 
 DEFAULT_COST_MODEL = CostModel()
-COLLECTIVE_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "permute")
+COLLECTIVE_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "permute", "exchange")
 LOCAL_KINDS = ("slice", "partition", "fill")
+_AXIS_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")  # the search's per-axis edges
 _R = Replicate()
 
 
@@ -60,7 +66,8 @@ class Step:
     placements before and after; ``dim`` is the tensor dim gathered, scattered or (all_to_all) concatenated,
     ``split_dim`` the dim an all_to_all splits; ``op`` the reduction (``sum``, ``max`` or ``min``) and
     ``scale`` the divisor that turns a sum into an average; ``perm`` (permute) gives, per mesh axis, the
-    source axis whose coordinate a device takes its block from. ``bytes`` is each device's input buffer.
+    source axis whose coordinate a device takes its block from. ``bytes`` is each device's input buffer;
+    ``count`` the number of collectives the step issues (an exchange is ``count`` ppermute rounds).
     """
 
     kind: str
@@ -74,6 +81,7 @@ class Step:
     bytes: int = 0
     cost: float = 0.0
     perm: tuple[int, ...] | None = None
+    count: int = 1
 
     @property
     def is_collective(self) -> bool:
@@ -82,7 +90,8 @@ class Step:
     def __str__(self) -> str:
         what = {"all_reduce": f"{self.op}" + (f"/{self.scale}" if self.scale != 1 else ""),
                 "reduce_scatter": f"{self.op} -> dim {self.dim}" + (f"/{self.scale}" if self.scale != 1 else ""),
-                "all_gather": f"dim {self.dim}", "all_to_all": f"dim {self.dim} -> dim {self.split_dim}"}
+                "all_gather": f"dim {self.dim}", "all_to_all": f"dim {self.dim} -> dim {self.split_dim}",
+                "exchange": f"{self.count} ppermute rounds"}
         detail = what.get(self.kind, "")
         return (f"{self.kind}({','.join(self.axes)}{'; ' + detail if detail else ''}) "
                 f"{format_placements(self.src)} -> {format_placements(self.dst)}  {self.bytes} B  {self.cost:.1f} us")
@@ -99,6 +108,10 @@ class Plan:
     @property
     def collectives(self) -> tuple[Step, ...]:
         return tuple(s for s in self.steps if s.is_collective)
+
+    @property
+    def collective_count(self) -> int:
+        return sum(s.count for s in self.collectives)
 
     @property
     def cost(self) -> float:
@@ -171,15 +184,16 @@ class _Search:
         self.op = [p.op if p.is_partial else None for p in self.table]
         self.fillable = [p.is_partial and p.op != "avg" for p in self.table]
         # per axis: the cost of a collective is launch + hops + bytes * per-byte cost
-        self.hop = {k: [] for k in COLLECTIVE_KINDS}
-        self.per_byte = {k: [] for k in COLLECTIVE_KINDS}
+        self.hop = {k: [] for k in _AXIS_KINDS}
+        self.per_byte = {k: [] for k in _AXIS_KINDS}
         for name, n in zip(self.names, self.sizes):
-            for k in COLLECTIVE_KINDS:
+            for k in _AXIS_KINDS:
                 base = model.collective(k, (name,), n, 0, launch=False)
                 self.hop[k].append(base)
                 self.per_byte[k].append(model.collective(k, (name,), n, 1, launch=False) - base)
-        self.min_hop = [min(self.hop[k][a] for k in COLLECTIVE_KINDS) for a in range(len(self.sizes))]
+        self.min_hop = [min(self.hop[k][a] for k in _AXIS_KINDS) for a in range(len(self.sizes))]
         self._padded: dict = {}
+        self._prices: dict = {}
 
     def decode(self, state) -> tuple[Placement, ...]:
         return tuple(self.table[i] for i in state)
@@ -197,7 +211,7 @@ class _Search:
         ops = {self.op[p] for p, n in zip(state, self.sizes) if self.op[p] and n > 1}
         return len(ops) <= 1 or ops <= {"sum", "avg"}
 
-    def heuristic(self, state, open_key) -> float:
+    def heuristic(self, state, open_run) -> float:
         """Admissible: every axis still needing a collective pays its cheapest hops; each dim (or
         reduce op) still needing one pays a launch, except the run that is already open."""
         hops, classes = 0.0, set()
@@ -213,16 +227,17 @@ class _Search:
             hops += self.min_hop[a]
         if not classes:
             return 0.0
-        launches = len(classes) - (open_key is not None and _requirement(open_key) in classes)
+        launches = len(classes) - (open_run is not None and _requirement(open_run[0]) in classes)
         return launches * self.model.launch_us + hops
 
     def moves(self, state):
-        """(axis, new placement id, kind, merge key, dim) for every useful edge out of ``state``."""
+        """(axes, new state, kind, merge key, dim) for every useful edge out of ``state``."""
         dim_of, dst = self.shard_dim, self.dst
-        inner = {}
+        chains: dict[int, list[int]] = {}
         for a, p in enumerate(state):
             if dim_of[p] >= 0:
-                inner[dim_of[p]] = a
+                chains.setdefault(dim_of[p], []).append(a)
+        inner = {d: c[-1] for d, c in chains.items()}
         for i, p in enumerate(state):
             q = dst[i]
             if self.sizes[i] == 1:
@@ -233,23 +248,33 @@ class _Search:
                     continue
                 # an axis already in place is gathered only to let an earlier axis on its dim change
                 if p != q or any(state[j] != dst[j] and d in (dim_of[state[j]], dim_of[dst[j]]) for j in range(i)):
-                    yield i, 0, "all_gather", ("all_gather", d), d
+                    yield (i,), state[:i] + (0,) + state[i + 1:], "all_gather", ("all_gather", d), d
                 if self.fillable[q]:
-                    yield i, q, "fill", None, None
-                if e >= 0 and e != d and inner.get(e, -1) < i:
-                    yield i, q, "all_to_all", None, e
+                    yield (i,), state[:i] + (q,) + state[i + 1:], "fill", None, None
             elif p:
                 if p == q:
                     continue
                 op = self.op[p]
-                yield i, 0, "all_reduce", ("all_reduce", "sum" if op == "avg" else op), None
+                yield (i,), state[:i] + (0,) + state[i + 1:], "all_reduce", ("all_reduce", "sum" if op == "avg" else op), None
                 if e >= 0 and op in ("sum", "avg") and inner.get(e, -1) < i:
-                    yield i, q, "reduce_scatter", ("reduce_scatter", e), e
+                    yield (i,), state[:i] + (q,) + state[i + 1:], "reduce_scatter", ("reduce_scatter", e), e
             elif e >= 0:
                 if inner.get(e, -1) < i:
-                    yield i, q, "slice", None, None
+                    yield (i,), state[:i] + (q,) + state[i + 1:], "slice", None, None
             elif q:
-                yield i, q, "partition", None, None
+                yield (i,), state[:i] + (q,) + state[i + 1:], "partition", None, None
+        # all_to_all: the innermost cuts of d (one axis or several) become the innermost cuts of e
+        for d, chain in chains.items():
+            for k in range(1, len(chain) + 1):
+                axes = chain[-k:]
+                e = dim_of[dst[axes[0]]]
+                if e < 0 or e == d or inner.get(e, -1) > axes[0] or any(
+                        dst[a] != dst[axes[0]] or self.sizes[a] == 1 for a in axes):
+                    break
+                new = list(state)
+                for a in axes:
+                    new[a] = dst[a]
+                yield tuple(axes), tuple(new), "all_to_all", None, e
 
     def relabelling(self, state) -> tuple[int, ...] | None:
         """``sigma`` with ``dst[sigma[i]] == state[i]`` over equal-size axes, keeping the order of the
@@ -278,8 +303,26 @@ class _Search:
         before, after = self.padded(state), self.padded(new)
         return self.nbytes(state) // before[dim] * group_size * after[dim] if before[dim] else 0
 
+    def price(self, kind, axes, nbytes) -> float:
+        """Cost of ``kind`` over the axis tuple ``axes`` without its launch, memoised."""
+        key = (kind, axes, nbytes)
+        got = self._prices.get(key)
+        if got is None:
+            if len(axes) == 1:
+                got = self.hop[kind][axes[0]] + nbytes * self.per_byte[kind][axes[0]]
+            else:
+                got = self.model.collective(kind, tuple(self.names[a] for a in axes),
+                                            math.prod(self.sizes[a] for a in axes), nbytes, launch=False)
+            self._prices[key] = got
+        return got
+
     def run(self) -> list[tuple]:
-        """The cheapest path as (axis, state before, state after, kind, merge key) edges."""
+        """The cheapest path as (axes, state before, state after, kind, merge key) edges.
+
+        A node is (state, open run): the run of mergeable collectives the last edge belongs to, as
+        (merge key, its axes so far, its input bytes), so that extending it costs exactly what the
+        merged collective costs more.
+        """
         start, dst = self.start, self.dst
         tie = itertools.count()
         best = {(start, None): 0.0}
@@ -287,31 +330,35 @@ class _Search:
         back = {}
         launch = self.model.launch_us
         while heap:
-            _, cost, _, state, open_key = heapq.heappop(heap)
+            _, cost, _, state, run = heapq.heappop(heap)
             if state == dst:
-                path, node = [], (state, open_key)
+                path, node = [], (state, run)
                 while node in back:
                     node, edge = back[node]
                     path.append(edge)
                 return path[::-1]
-            if best.get((state, open_key), math.inf) < cost:
+            if best.get((state, run), math.inf) < cost:
                 continue
-            for i, q, kind, key, dim in self.moves(state):
-                new = state[:i] + (q,) + state[i + 1:]
-                if self.op[q] and not self.partials_ok(new):
-                    continue
+            for axes, new, kind, key, dim in self.moves(state):
+                new_run = None
                 if kind in LOCAL_KINDS:
+                    if not self.partials_ok(new):
+                        continue
                     total = cost
+                elif run is not None and key == run[0]:
+                    new_run = (key, run[1] + axes, run[2])
+                    total = cost + self.price(kind, new_run[1], run[2]) - self.price(kind, run[1], run[2])
                 else:
+                    group = math.prod(self.sizes[a] for a in axes)
                     nbytes = (self.nbytes(state) if kind in ("all_gather", "all_reduce")
-                              else self.buffer_bytes(state, new, dim, self.sizes[i]))
-                    total = (cost + self.hop[kind][i] + nbytes * self.per_byte[kind][i]
-                             + (launch if key is None or key != open_key else 0.0))
-                node = (new, key)
+                              else self.buffer_bytes(state, new, dim, group))
+                    total = cost + launch + self.price(kind, axes, nbytes)
+                    new_run = (key, axes, nbytes) if key is not None else None
+                node = (new, new_run)
                 if total < best.get(node, math.inf) - 1e-9:
                     best[node] = total
-                    back[node] = ((state, open_key), (i, state, new, kind, key))
-                    heapq.heappush(heap, (total + self.heuristic(new, key), total, next(tie), new, key))
+                    back[node] = ((state, run), (axes, state, new, kind, key))
+                    heapq.heappush(heap, (total + self.heuristic(new, new_run), total, next(tie), new, new_run))
             sigma = self.relabelling(state)
             if sigma is not None:
                 moved = tuple(self.names[i] for i in range(len(sigma)) if sigma[i] != i)
@@ -319,7 +366,7 @@ class _Search:
                 node = (dst, None)
                 if total < best.get(node, math.inf) - 1e-9:
                     best[node] = total
-                    back[node] = ((state, open_key), (sigma, state, dst, "permute", None))
+                    back[node] = ((state, run), (sigma, state, dst, "permute", None))
                     heapq.heappush(heap, (total, total, next(tie), dst, None))
         raise AssertionError(f"no redistribution path to {format_placements(self.decode(dst))}")
 
@@ -329,7 +376,16 @@ def _plan(spec: Spec, dst: tuple[Placement, ...], model: CostModel) -> Plan:
     # a size-1 axis holds the whole value whatever its placement: relabel it for free
     start = tuple(q if n == 1 else p for p, q, n in zip(spec.placements, dst, spec.mesh_shape))
     search = _Search(spec, start, dst, model)
-    return Plan(spec, spec.with_placements(dst), tuple(_merge(search, search.run())))
+    steps = _merge(search, search.run())
+    target = spec.with_placements(dst)
+    if steps and exchange.eligible(spec, dst):
+        schedule = exchange.exchange_schedule(spec, target)
+        sizes = [schedule.round_bytes(r, spec.itemsize) for r in range(len(schedule.rounds))]
+        cost = sum(model.collective("permute", search.names, 2, b) for b in sizes)
+        if cost < sum(s.cost for s in steps) - 1e-9:
+            steps = [Step("exchange", search.names, spec.placements, dst, bytes=sum(sizes), cost=cost,
+                          count=len(sizes))]
+    return Plan(spec, target, tuple(steps))
 
 
 def _merge(search: _Search, edges) -> list[Step]:
@@ -350,7 +406,7 @@ def _merge(search: _Search, edges) -> list[Step]:
             steps.append(Step("permute", tuple(names[i] for i in moved), first, last, bytes=nbytes, cost=cost,
                               perm=sigma))
             continue
-        axes_idx = [e[0] for e in group]
+        axes_idx = [a for e in group for a in e[0]]
         dim = split_dim = op = None
         scale = 1
         if kind == "all_gather":

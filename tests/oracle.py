@@ -120,7 +120,7 @@ def check_darray(x, value: np.ndarray) -> None:
 
 
 HLO_KINDS = {"all_gather": "all-gather", "all_reduce": "all-reduce", "reduce_scatter": "reduce-scatter",
-             "all_to_all": "all-to-all", "permute": "collective-permute"}
+             "all_to_all": "all-to-all", "permute": "collective-permute", "exchange": "collective-permute"}
 
 
 def hlo_collectives(compiled_text: str) -> collections.Counter:
@@ -129,4 +129,4 @@ def hlo_collectives(compiled_text: str) -> collections.Counter:
 
 
 def plan_collectives(plan) -> collections.Counter:
-    return collections.Counter(HLO_KINDS[s.kind] for s in plan.collectives)
+    return collections.Counter(HLO_KINDS[s.kind] for s in plan.collectives for _ in range(s.count))
