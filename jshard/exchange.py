@@ -26,21 +26,21 @@ from .spec import Spec
 __all__ = ["Transfer", "Schedule", "exchange_schedule"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Transfer:
     """One sub-block: per dim, positions in the sender's local block and in the receiver's target block."""
 
     source: int  # device index in mesh order
     target: int
-    src_pos: tuple[tuple[int, ...], ...]
-    dst_pos: tuple[tuple[int, ...], ...]
+    src_pos: tuple[np.ndarray, ...]
+    dst_pos: tuple[np.ndarray, ...]
 
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(map(len, self.dst_pos))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Schedule:
     """What each device keeps (``local``, one Transfer with source == target per device that keeps
     something) and what it receives, round by round."""
@@ -56,72 +56,79 @@ class Schedule:
 
 
 def eligible(src: Spec, dst_placements) -> bool:
-    """Partial axes must stay as they are; the exchange moves values, it does not reduce them."""
-    return all(p == q if p.is_partial or q.is_partial else True for p, q in zip(src.placements, dst_placements)) \
-        and all(n > 0 for n in src.shape)
+    """Partial axes must stay as they are (the exchange moves values, it does not reduce them)."""
+    return (src.rank > 0 and all(n > 0 for n in src.shape)
+            and all(p == q for p, q in zip(src.placements, dst_placements) if p.is_partial or q.is_partial))
+
+
+class _Dim:
+    """One tensor dim: which source shard holds each global index, and where."""
+
+    def __init__(self, src_layout: np.ndarray, dst_layout: np.ndarray, length: int):
+        self.devices = src_layout.shape[:-1]
+        self.src = src_layout.reshape(-1, src_layout.shape[-1])
+        self.dst = dst_layout.reshape(-1, dst_layout.shape[-1])
+        self.owner = np.full(length, -1, dtype=np.int64)
+        self.cell = np.full(len(self.src), -1, dtype=np.int64)
+        self.position = {}  # cell -> position of each global index within that shard
+        for i, row in enumerate(self.src):
+            held = row[row >= 0]
+            if held.size:
+                self.cell[i] = held[0]  # a shard is named by its first index
+                if held[0] not in self.position:
+                    self.owner[held] = held[0]
+                    pos = np.full(length, -1, dtype=np.int64)
+                    pos[held] = np.arange(held.size)
+                    self.position[int(held[0])] = pos
+        self._needs: dict = {}
+
+    def needs(self, t: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Per source shard: (positions in t's target list, source positions) of what t needs from it."""
+        row = self.dst[t]
+        key = row.tobytes()
+        got = self._needs.get(key)
+        if got is None:
+            held = row[row >= 0]
+            owners = self.owner[held]
+            got = {}
+            for c in np.unique(owners):
+                j = np.nonzero(owners == c)[0]
+                got[int(c)] = (j, self.position[int(c)][held[j]])
+            self._needs[key] = got
+        return got
 
 
 @lru_cache(maxsize=4096)
 def exchange_schedule(src: Spec, dst: Spec) -> Schedule:
-    mesh_shape = src.mesh_shape
-    coords = list(np.ndindex(*mesh_shape))
+    """The rounds in which every device of ``dst`` receives the sub-blocks of ``src`` it lacks."""
+    coords = list(np.ndindex(*src.mesh_shape))
     partial_axes = [a for a, p in enumerate(src.placements) if p.is_partial]
-    rank = src.rank
-    # per dim: the source shard ("cell") of every global index, and every device's cell and positions
-    owner, cell_of, inverse = [], [], []
-    for d in range(rank):
-        lay = src.layouts[d]
-        own = np.full(src.shape[d], -1, dtype=np.int64)
-        cells, inv = [], []
-        for c in coords:
-            held = lay[c][lay[c] >= 0]
-            cells.append(int(held[0]) if held.size else -1)  # a shard is named by its first index
-            own[held] = held[0] if held.size else -1
-            pos = np.full(src.shape[d], -1, dtype=np.int64)
-            pos[held] = np.arange(held.size)
-            inv.append(pos)
-        owner.append(own)
-        cell_of.append(cells)
-        inverse.append(inv)
+    dims = [_Dim(src.layouts[d], dst.layouts[d], src.shape[d]) for d in range(src.rank)]
     holders: dict = {}
     for i, c in enumerate(coords):
-        key = (tuple(cell_of[d][i] for d in range(rank)), tuple(c[a] for a in partial_axes))
+        key = (tuple(int(dim.cell[i]) for dim in dims), tuple(c[a] for a in partial_axes))
         holders.setdefault(key, []).append(i)
-
     local, demands = [], []
     for t, c in enumerate(coords):
-        need = []  # per dim: {cell: (target positions, global indices)}
-        for d in range(rank):
-            lay = dst.layouts[d][c]
-            held = lay[lay >= 0]
-            by_cell: dict = {}
-            for j, g in enumerate(held):
-                by_cell.setdefault(int(owner[d][g]), []).append((j, int(g)))
-            need.append(by_cell)
+        need = [dim.needs(t) for dim in dims]
         if any(not n for n in need):
             continue  # an empty target block
         pc = tuple(c[a] for a in partial_axes)
         for combo in itertools.product(*[sorted(n) for n in need]):
             devices = holders[(combo, pc)]
-            parts = [need[d][combo[d]] for d in range(rank)]
-            dst_pos = tuple(tuple(j for j, _ in part) for part in parts)
-            globals_ = [[g for _, g in part] for part in parts]
+            parts = [need[d][cell] for d, cell in enumerate(combo)]
+            dst_pos, src_pos = tuple(p[0] for p in parts), tuple(p[1] for p in parts)
             if t in devices:
-                local.append(Transfer(t, t, _positions(inverse, t, globals_), dst_pos))
+                local.append(Transfer(t, t, src_pos, dst_pos))
             else:
-                demands.append((t, devices, dst_pos, globals_))
+                demands.append((t, devices, dst_pos, src_pos))
     rounds = []
     while demands:
         matched = _match(demands)
-        rounds.append(tuple(Transfer(s, demands[k][0], _positions(inverse, s, demands[k][3]), demands[k][2])
-                            for k, s in matched))
+        rounds.append(tuple(Transfer(s, demands[k][0], demands[k][3], demands[k][2]) for k, s in matched))
         served = {k for k, _ in matched}
         demands = [dm for k, dm in enumerate(demands) if k not in served]
     return Schedule(tuple(local), tuple(rounds))
-
-
-def _positions(inverse, device: int, globals_) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(int(inverse[d][device][g]) for g in gs) for d, gs in enumerate(globals_))
 
 
 def _match(demands) -> list[tuple[int, int]]:

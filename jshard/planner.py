@@ -160,6 +160,16 @@ def _padded_lengths(shape: tuple[int, ...], mesh_shape: tuple[int, ...], state: 
     )
 
 
+@lru_cache(maxsize=256)
+def _axis_prices(model: CostModel, names, sizes):
+    """Per kind and axis: a collective costs launch + hop + bytes * per_byte; and each axis's cheapest hop."""
+    hop, per_byte = {}, {}
+    for k in _AXIS_KINDS:
+        hop[k] = [model.collective(k, (name,), n, 0, launch=False) for name, n in zip(names, sizes)]
+        per_byte[k] = [model.collective(k, (name,), n, 1, launch=False) - h for name, n, h in zip(names, sizes, hop[k])]
+    return hop, per_byte, [min(hop[k][a] for k in _AXIS_KINDS) for a in range(len(sizes))]
+
+
 def _requirement(merge_key):
     """What an open run of collectives can still serve without a launch (see ``_Search.heuristic``)."""
     kind, what = merge_key
@@ -183,15 +193,10 @@ class _Search:
         self.shard_dim = [p.dim if p.is_shard else -1 for p in self.table]
         self.op = [p.op if p.is_partial else None for p in self.table]
         self.fillable = [p.is_partial and p.op != "avg" for p in self.table]
-        # per axis: the cost of a collective is launch + hops + bytes * per-byte cost
-        self.hop = {k: [] for k in _AXIS_KINDS}
-        self.per_byte = {k: [] for k in _AXIS_KINDS}
-        for name, n in zip(self.names, self.sizes):
-            for k in _AXIS_KINDS:
-                base = model.collective(k, (name,), n, 0, launch=False)
-                self.hop[k].append(base)
-                self.per_byte[k].append(model.collective(k, (name,), n, 1, launch=False) - base)
-        self.min_hop = [min(self.hop[k][a] for k in _AXIS_KINDS) for a in range(len(self.sizes))]
+        self.strided = [isinstance(p, StridedShard) for p in self.table]
+        self._strided_target = any(self.strided[q] for q in self.dst)
+        self._dst_multiset = sorted(zip(self.dst, self.sizes))
+        self.hop, self.per_byte, self.min_hop = _axis_prices(model, self.names, self.sizes)
         self._padded: dict = {}
         self._prices: dict = {}
 
@@ -279,7 +284,9 @@ class _Search:
     def relabelling(self, state) -> tuple[int, ...] | None:
         """``sigma`` with ``dst[sigma[i]] == state[i]`` over equal-size axes, keeping the order of the
         axes that shard each dim, or None. Strided shards are left to the other edges."""
-        if state == self.dst or any(isinstance(self.table[p], StridedShard) for p in state + self.dst):
+        if state == self.dst or self._strided_target or sorted(zip(state, self.sizes)) != self._dst_multiset:
+            return None
+        if any(self.strided[p] for p in state):
             return None
         sigma = [i if p == q else None for i, (p, q) in enumerate(zip(state, self.dst))]
         free = {}
@@ -378,7 +385,8 @@ def _plan(spec: Spec, dst: tuple[Placement, ...], model: CostModel) -> Plan:
     search = _Search(spec, start, dst, model)
     steps = _merge(search, search.run())
     target = spec.with_placements(dst)
-    if steps and exchange.eligible(spec, dst):
+    # an exchange can only beat paths that move shards (gathers, all_to_alls)
+    if any(s.kind in ("all_gather", "all_to_all") for s in steps) and exchange.eligible(spec, dst):
         schedule = exchange.exchange_schedule(spec, target)
         sizes = [schedule.round_bytes(r, spec.itemsize) for r in range(len(schedule.rounds))]
         cost = sum(model.collective("permute", search.names, 2, b) for b in sizes)
