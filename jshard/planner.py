@@ -384,16 +384,32 @@ def _plan(spec: Spec, dst: tuple[Placement, ...], model: CostModel) -> Plan:
     start = tuple(q if n == 1 else p for p, q, n in zip(spec.placements, dst, spec.mesh_shape))
     search = _Search(spec, start, dst, model)
     steps = _merge(search, search.run())
-    target = spec.with_placements(dst)
-    # an exchange can only beat paths that move shards (gathers, all_to_alls)
+    # an exchange can only beat paths that move shards (gathers, all_to_alls); try it straight to the
+    # target, and to the target with the source's shards kept where the target replicates (then gather)
     if any(s.kind in ("all_gather", "all_to_all") for s in steps) and exchange.eligible(spec, dst):
-        schedule = exchange.exchange_schedule(spec, target)
-        sizes = [schedule.round_bytes(r, spec.itemsize) for r in range(len(schedule.rounds))]
-        cost = sum(model.collective("permute", search.names, 2, b) for b in sizes)
-        if cost < sum(s.cost for s in steps) - 1e-9:
-            steps = [Step("exchange", search.names, spec.placements, dst, bytes=sum(sizes), cost=cost,
-                          count=len(sizes))]
-    return Plan(spec, target, tuple(steps))
+        middle = tuple(q if not q.is_replicate or not p.is_shard else p for p, q in zip(start, dst))
+        for via in dict.fromkeys((dst, middle)):
+            if via == start or not _valid(via):
+                continue
+            candidate = _exchange_step(spec, via, model, search.names)
+            if via != dst:
+                rest = _Search(spec, via, dst, model)
+                candidate += _merge(rest, rest.run())
+            if sum(s.cost for s in candidate) < sum(s.cost for s in steps) - 1e-9:
+                steps = candidate
+    return Plan(spec, spec.with_placements(dst), tuple(steps))
+
+
+def _valid(placements) -> bool:
+    ops = {p.op for p in placements if p.is_partial}
+    return len(ops) <= 1 or ops <= {"sum", "avg"}
+
+
+def _exchange_step(spec: Spec, via, model: CostModel, names) -> list[Step]:
+    schedule = exchange.exchange_schedule(spec, spec.with_placements(via))
+    sizes = [schedule.round_bytes(r, spec.itemsize) for r in range(len(schedule.rounds))]
+    cost = sum(model.collective("permute", names, 2, b) for b in sizes)
+    return [Step("exchange", names, spec.placements, via, bytes=sum(sizes), cost=cost, count=len(sizes))] if sizes else []
 
 
 def _merge(search: _Search, edges) -> list[Step]:
