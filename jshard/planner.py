@@ -85,7 +85,7 @@ class Step:
 
     @property
     def is_collective(self) -> bool:
-        return self.kind in COLLECTIVE_KINDS
+        return self.kind in COLLECTIVE_KINDS and self.count > 0
 
     def __str__(self) -> str:
         what = {"all_reduce": f"{self.op}" + (f"/{self.scale}" if self.scale != 1 else ""),
@@ -409,7 +409,8 @@ def _exchange_step(spec: Spec, via, model: CostModel, names) -> list[Step]:
     schedule = exchange.exchange_schedule(spec, spec.with_placements(via))
     sizes = [schedule.round_bytes(r, spec.itemsize) for r in range(len(schedule.rounds))]
     cost = sum(model.collective("permute", names, 2, b) for b in sizes)
-    return [Step("exchange", names, spec.placements, via, bytes=sum(sizes), cost=cost, count=len(sizes))] if sizes else []
+    # zero rounds is still a step: each device re-indexes what it already holds
+    return [Step("exchange", names, spec.placements, via, bytes=sum(sizes), cost=cost, count=len(sizes))]
 
 
 def _merge(search: _Search, edges) -> list[Step]:

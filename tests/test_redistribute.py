@@ -96,3 +96,9 @@ def test_sweep_all_pairs_on_2x4(shape):
         if src not in sources:
             sources[src] = jshard.from_local(local_blocks(value, mesh_shape, src, rng), mesh, src, shape=shape)
         check_darray(sources[src].redistribute(dst), value)
+
+
+def test_exchange_with_no_rounds_still_reindexes():
+    # found by the property test: the intermediate layout of a two-phase plan needed only local copies
+    run_pair((2, 4), (2,), (Replicate(), StridedShard(0, 2)), (Shard(0), Replicate()), np.random.default_rng(5),
+             check_hlo=True)
