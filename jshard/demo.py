@@ -47,7 +47,7 @@ def main() -> int:
         failures += not ok
         print(f"== {title}")
         print(plan)
-        print(f"   collectives: {len(plan.collectives)}, bytes per device: {plan.bytes}, "
+        print(f"   collectives: {plan.collective_count}, bytes per device: {plan.bytes}, "
               f"check against the original: {'OK' if ok else 'WRONG'}\n")
         return y
 

@@ -35,6 +35,7 @@ __all__ = [
     "REDUCE_OPS",
     "normalize_placements",
     "format_placements",
+    "partial_ops_mix",
 ]
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -139,6 +140,12 @@ class Partial(Placement):
         return f"P({self.op})"
 
 
+def partial_ops_mix(ops: set[str]) -> bool:
+    """Whether Partial reductions with these ops may coexist in one placements tuple: only sum and avg
+    commute, so any other pair has no single meaning."""
+    return len(ops) <= 1 or ops <= {"sum", "avg"}
+
+
 def format_placements(placements: Sequence[Placement]) -> str:
     """``(S(0), P(sum))``: the compact form used in every message."""
     return "(" + ", ".join(map(repr, placements)) + ")"
@@ -185,7 +192,7 @@ def normalize_placements(
                 p = Shard(p.dim)
         out.append(p)
     ops = {p.op for p in out if p.is_partial}
-    if len(ops) > 1 and not ops <= {"sum", "avg"}:
+    if not partial_ops_mix(ops):
         raise PlacementError(
             f"{where}: {shown} mixes Partial({'), Partial('.join(sorted(ops))}); only sum and avg may be mixed, "
             "because only they commute (a sum of averages is an average of sums). Reduce one of them first "

@@ -1,7 +1,8 @@
 """Redistribution planning: the cheapest sequence of collectives from one spec to another.
 
-The planner searches placement states (one placement per mesh axis) with Dijkstra. An edge changes the
-placement of one mesh axis with one collective or one local operation:
+The planner searches placement states (one placement per mesh axis) with A* (an admissible bound of
+the launches and hops still needed). An edge changes the placement of one mesh axis with one
+collective or one local operation:
 
 ============================  ==================  ===============================================
 from -> to (one mesh axis)    kind                 allowed when
@@ -10,6 +11,7 @@ S(d)/SS(d) -> R               all_gather           the axis is the last one shar
 P(op) -> R                    all_reduce           always (avg: sum, then divide)
 P(sum|avg) -> S(d)/SS(d)      reduce_scatter       no later axis shards d
 S(d) -> S(e)                  all_to_all           the axis is the last on d, no later axis on e
+                                                   (also several innermost axes of d at once)
 R -> S(d)/SS(d)               slice (local)        no later axis shards d
 R -> P(op)                    partition (local)    exact: sum keeps the value on coordinate 0
 S(d) -> P(sum|max|min)        fill (local)         the axis is the last on d; the rest is the identity
@@ -19,8 +21,9 @@ the target, relabelled        permute              the placements are the target
 ============================  ==================  ===============================================
 
 Besides the search, where the Partial axes stay as they are, an ``exchange`` (``jshard.exchange``)
-sends every device exactly the sub-blocks it lacks in rounds of ppermute; it is taken when it is
-cheaper than the best path of collectives.
+sends every device exactly the sub-blocks it lacks in rounds of ppermute, either straight to the target
+or to the target with the source's shards kept where the target replicates (then gathered); it is taken
+when it is cheaper than the best path of collectives.
 
 "Last" is in mesh order, the order in which placements apply: only the innermost cut of a dim can be
 gathered, scattered or sliced without disturbing the others. Costs come from the alpha-beta
@@ -46,8 +49,8 @@ from functools import lru_cache
 
 from . import exchange
 from .cost import CostModel
-from .placements import Placement, Replicate, StridedShard, format_placements
-from .spec import Spec, _cut_order, dim_layout
+from .placements import Placement, Replicate, StridedShard, format_placements, partial_ops_mix
+from .spec import Spec, cut_order, dim_layout
 
 __all__ = ["Step", "Plan", "plan_redistribute", "DEFAULT_COST_MODEL"]
 
@@ -65,8 +68,9 @@ class Step:
     ``axes`` are mesh axis names in the order of the collective's axis tuple; ``src``/``dst`` are the
     placements before and after; ``dim`` is the tensor dim gathered, scattered or (all_to_all) concatenated,
     ``split_dim`` the dim an all_to_all splits; ``op`` the reduction (``sum``, ``max`` or ``min``) and
-    ``scale`` the divisor that turns a sum into an average; ``perm`` (permute) gives, per mesh axis, the
-    source axis whose coordinate a device takes its block from. ``bytes`` is each device's input buffer;
+    ``scale`` the divisor that turns a sum into an average; ``perm`` (permute): the placement of axis
+    ``i`` moves to axis ``perm[i]``, so device ``c`` receives the block of the device whose coordinate on
+    axis ``i`` is ``c[perm[i]]``. ``bytes`` is each device's input buffer;
     ``count`` the number of collectives the step issues (an exchange is ``count`` ppermute rounds).
     """
 
@@ -213,8 +217,7 @@ class _Search:
         return self.itemsize * math.prod(self.padded(state))
 
     def partials_ok(self, state) -> bool:
-        ops = {self.op[p] for p, n in zip(state, self.sizes) if self.op[p] and n > 1}
-        return len(ops) <= 1 or ops <= {"sum", "avg"}
+        return partial_ops_mix({self.op[p] for p, n in zip(state, self.sizes) if self.op[p] and n > 1})
 
     def heuristic(self, state, open_run) -> float:
         """Admissible: every axis still needing a collective pays its cheapest hops; each dim (or
@@ -388,8 +391,8 @@ def _plan(spec: Spec, dst: tuple[Placement, ...], model: CostModel) -> Plan:
     # target, and to the target with the source's shards kept where the target replicates (then gather)
     if any(s.kind in ("all_gather", "all_to_all") for s in steps) and exchange.eligible(spec, dst):
         middle = tuple(q if not q.is_replicate or not p.is_shard else p for p, q in zip(start, dst))
-        for via in dict.fromkeys((dst, middle)):
-            if via == start or not _valid(via):
+        for via in dict.fromkeys((dst, middle)):  # middle keeps dst's Partial axes, so it is valid
+            if via == start:
                 continue
             candidate = _exchange_step(spec, via, model, search.names)
             if via != dst:
@@ -398,11 +401,6 @@ def _plan(spec: Spec, dst: tuple[Placement, ...], model: CostModel) -> Plan:
             if sum(s.cost for s in candidate) < sum(s.cost for s in steps) - 1e-9:
                 steps = candidate
     return Plan(spec, spec.with_placements(dst), tuple(steps))
-
-
-def _valid(placements) -> bool:
-    ops = {p.op for p in placements if p.is_partial}
-    return len(ops) <= 1 or ops <= {"sum", "avg"}
 
 
 def _exchange_step(spec: Spec, via, model: CostModel, names) -> list[Step]:
@@ -466,7 +464,7 @@ def _tuple_order(search: _Search, state, dim, axes) -> list[int]:
     when the merged axes are its innermost cuts (then no local reshuffle is needed), else ``axes``."""
     axes = list(axes)
     chain = tuple((a, p.split_factor) for a, p in enumerate(state) if p.is_shard and p.dim == dim)
-    order = _cut_order(chain, search.sizes)
+    order = cut_order(chain, search.sizes)
     if order is not None and set(order[len(order) - len(axes):]) == set(axes):
         return list(order[len(order) - len(axes):])
     return axes

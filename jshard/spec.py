@@ -41,7 +41,7 @@ from .placements import (
     normalize_placements,
 )
 
-__all__ = ["Spec", "LayoutError", "format_mesh", "chunk_sizes", "dim_layout"]
+__all__ = ["Spec", "LayoutError", "format_mesh", "chunk_sizes", "dim_layout", "cut_order", "block_sharding"]
 
 
 class LayoutError(ValueError):
@@ -103,7 +103,7 @@ def dim_layout(length: int, mesh_shape: tuple[int, ...], chain: tuple[tuple[int,
     return out
 
 
-def _cut_order(chain: tuple[tuple[int, int], ...], mesh_shape: tuple[int, ...]) -> tuple[int, ...] | None:
+def cut_order(chain: tuple[tuple[int, int], ...], mesh_shape: tuple[int, ...]) -> tuple[int, ...] | None:
     """The order in which the chain's axes cut the dim, major first, or None if it is no such order.
 
     An axis whose split factor is the product of the sizes of the higher-index axes that cut before it
@@ -237,7 +237,7 @@ class Spec:
                     f"{self}: dim {d} of size {self.shape[d]} is split unevenly; JAX shardings need even "
                     "splits. Keep it as a DArray, or pad the dim to a multiple of the shard count"
                 )
-            order = _cut_order(chain, self.mesh_shape)
+            order = cut_order(chain, self.mesh_shape)
             if order is None:
                 raise LayoutError(
                     f"{self}: the StridedShard layout of dim {d} is not a shard order, so no PartitionSpec "

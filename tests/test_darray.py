@@ -186,3 +186,22 @@ def test_bad_distribute_names_op():
 def test_spec_dtype_is_what_jax_stores():
     x = jshard.distribute(np.arange(4.0), make_mesh((8,)), [Shard(0)])  # float64 input, x64 off
     assert x.dtype == x.block.dtype == np.float32 and str(x.spec).startswith("f32[4]")
+
+
+def test_survives_flax_nnx_containers():
+    from flax import nnx
+
+    mesh = make_mesh((2, 4))
+    value = ints((6, 10))
+    x = jshard.distribute(value, mesh, [Shard(0), Shard(1)])
+
+    class Holder(nnx.Module):
+        def __init__(self, w):
+            self.w = nnx.Param(w)
+
+    graphdef, state = nnx.split(Holder(x))
+    assert [type(leaf).__name__ for leaf in jax.tree.leaves(state)] == ["ArrayImpl"]
+    doubled = jax.jit(lambda s: jax.tree.map(lambda b: b * 2, s))(state)
+    w = nnx.merge(graphdef, doubled).w.get_value()
+    assert isinstance(w, DArray) and w.spec == x.spec
+    assert np.array_equal(np.asarray(w.full()), value * 2)

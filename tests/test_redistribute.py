@@ -102,3 +102,17 @@ def test_exchange_with_no_rounds_still_reindexes():
     # found by the property test: the intermediate layout of a two-phase plan needed only local copies
     run_pair((2, 4), (2,), (Replicate(), StridedShard(0, 2)), (Shard(0), Replicate()), np.random.default_rng(5),
              check_hlo=True)
+
+
+def test_reduction_over_two_axes_is_one_collective_with_bitwise_equal_replicas():
+    mesh = make_mesh((2, 2, 2))
+    rng = np.random.default_rng(7)
+    parts = [rng.standard_normal((16, 16)).astype(np.float32) for _ in range(4)]  # not exact in float32
+    locals_ = [parts[2 * a + c] for a in range(2) for _ in range(2) for c in range(2)]
+    x = jshard.from_local(locals_, mesh, [Partial(), Replicate(), Partial()])
+    plan = jshard.plan_redistribute(x, [Replicate()] * 3)
+    assert [(s.kind, s.axes) for s in plan.steps] == [("all_reduce", ("x", "z"))]
+    assert hlo_collectives(compile_plan(plan).lower(x.block).compile().as_text()) == {"all-reduce": 1}
+    out = [np.asarray(a) for a in x.redistribute([Replicate()] * 3).to_local()]
+    assert all(o.tobytes() == out[0].tobytes() for o in out)
+    np.testing.assert_allclose(out[0], np.sum(parts, axis=0), rtol=1e-5, atol=1e-5)
