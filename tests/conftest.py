@@ -1,4 +1,4 @@
-"""Tests run on 8 devices: 8 emulated CPU devices unless real accelerators are present."""
+"""Tests run on 8 devices: 8 or more real accelerators when present, else 8 emulated CPU devices."""
 
 import os
 
@@ -9,7 +9,13 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 
 import jax  # noqa: E402
+import jax.extend  # noqa: E402
 import pytest  # noqa: E402
+
+if len(jax.devices()) < 8:
+    # fewer than 8 accelerators (a single GPU, say): run everything on the 8 emulated CPU devices
+    jax.extend.backend.clear_backends()
+    jax.config.update("jax_platforms", "cpu")
 
 MESH_SHAPES = {(8,): ("x",), (2, 4): ("dp", "tp"), (4, 2): ("a", "b"), (2, 2, 2): ("x", "y", "z")}
 
