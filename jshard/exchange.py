@@ -65,12 +65,11 @@ class _Dim:
     """One tensor dim: which source shard holds each global index, and where."""
 
     def __init__(self, src_layout: np.ndarray, dst_layout: np.ndarray, length: int):
-        self.devices = src_layout.shape[:-1]
         self.src = src_layout.reshape(-1, src_layout.shape[-1])
         self.dst = dst_layout.reshape(-1, dst_layout.shape[-1])
         self.owner = np.full(length, -1, dtype=np.int64)
         self.cell = np.full(len(self.src), -1, dtype=np.int64)
-        self.position = {}  # cell -> position of each global index within that shard
+        self.position = {}  # cell -> position of each global index within that shard (same on every holder)
         for i, row in enumerate(self.src):
             held = row[row >= 0]
             if held.size:
@@ -135,7 +134,7 @@ def _match(demands) -> list[tuple[int, int]]:
     """A maximum matching of receivers to senders (each at most once per round), as (demand, sender)."""
     wanted: dict = {}  # receiver -> senders able to serve one of its demands
     for t, devices, _, _ in demands:
-        wanted.setdefault(t, dict.fromkeys(())).update(dict.fromkeys(devices))
+        wanted.setdefault(t, {}).update(dict.fromkeys(devices))
     receiver_of: dict = {}
 
     def augment(t, seen) -> bool:  # Kuhn's augmenting path
