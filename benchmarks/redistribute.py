@@ -12,6 +12,7 @@ destination block it does not already hold), and the runtime ratio jshard / XLA 
 
     python benchmarks/redistribute.py            # everything (about half an hour on 2 CPU cores)
     python benchmarks/redistribute.py --quick    # a few hundred pairs per config
+    python benchmarks/redistribute.py --parts plans,xla   # no execution of the pairs
 
 Writes ``benchmarks/results/redistribute.json``.
 """
@@ -112,7 +113,12 @@ def correct(block: np.ndarray, spec: Spec, value: np.ndarray) -> bool:
 # one config: plans, planning time, execution of every pair
 
 
-def run_config(mesh_shape, shape, *, quick: bool, rng) -> dict:
+def dtensor_accepts(src, dst) -> bool:
+    """DTensor's public redistribute refuses any new Partial target (R/S -> P, P -> P')."""
+    return all(q == p for p, q in zip(src, dst) if q.is_partial)
+
+
+def run_config(mesh_shape, shape, *, quick: bool, execute: bool, rng) -> dict:
     mesh = jax.make_mesh(mesh_shape, NAMES[len(mesh_shape)], devices=jax.devices()[:8])
     names = NAMES[len(mesh_shape)]
     placements = placement_set(len(mesh_shape), len(shape))
@@ -122,6 +128,7 @@ def run_config(mesh_shape, shape, *, quick: bool, rng) -> dict:
     value = rng.integers(-30, 30, shape).astype(np.float32)
 
     plan_us, kinds, nbytes = [], collections.Counter(), collections.Counter()
+    subset = {"pairs": 0, "collectives": 0, "bytes": 0}
     plans = {}
     for src, dst in pairs:
         spec = Spec.create(mesh, src, shape, np.float32)
@@ -131,12 +138,16 @@ def run_config(mesh_shape, shape, *, quick: bool, rng) -> dict:
         plan_us.append((time.perf_counter() - t) * 1e6)
         plans[src, dst] = plan
         for s in plan.collectives:
-            kinds[s.kind] += 1
+            kinds[s.kind] += s.count
             nbytes[s.kind] += s.bytes
+        if dtensor_accepts(src, dst):
+            subset["pairs"] += 1
+            subset["collectives"] += plan.collective_count
+            subset["bytes"] += plan.bytes
 
     wrong, t0 = [], time.perf_counter()
     by_src = collections.defaultdict(list)
-    for src, dst in pairs:
+    for src, dst in pairs if execute else ():
         by_src[src].append(dst)
     block_spec = PartitionSpec(*names)
     for n, (src, dsts) in enumerate(by_src.items()):
@@ -156,7 +167,8 @@ def run_config(mesh_shape, shape, *, quick: bool, rng) -> dict:
             print(f"  {mesh_shape} {shape}: {n + 1}/{len(by_src)} sources, {len(wrong)} wrong, "
                   f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     return {
-        "mesh": list(mesh_shape), "shape": list(shape), "pairs": len(pairs), "wrong": len(wrong),
+        "mesh": list(mesh_shape), "shape": list(shape), "pairs": len(pairs), "wrong": len(wrong) if execute else None,
+        "dtensor_accepted_subset": subset,
         "wrong_examples": wrong[:20], "collectives": sum(kinds.values()), "collectives_by_kind": dict(kinds),
         "bytes": sum(nbytes.values()), "bytes_by_kind": dict(nbytes),
         "planning_us_median": statistics.median(plan_us), "planning_us_p90": sorted(plan_us)[int(0.9 * len(plan_us))],
@@ -318,15 +330,19 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="sample a few hundred pairs per config")
     ap.add_argument("--timing-pairs", type=int, default=200, help="pairs timed against XLA per config")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--parts", default="pairs,xla",
+                    help="comma-separated: plans (plan statistics and planning time only), pairs (plans, and every "
+                         "pair executed and checked), xla (the comparison with XLA)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "redistribute.json"))
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     rng = np.random.default_rng(0)
     result = {"jax": jax.__version__, "devices": f"{len(jax.devices())} x {jax.devices()[0].platform}",
               "configs": [], "xla": [], "planning_6d": plan_speed_6d(300 if not args.quick else 100)}
-    for mesh_shape, shape in CONFIGS:
+    for mesh_shape, shape in CONFIGS if parts & {"plans", "pairs"} else ():
         print(f"config mesh {mesh_shape} f32{list(shape)}", file=sys.stderr, flush=True)
-        result["configs"].append(run_config(mesh_shape, shape, quick=args.quick, rng=rng))
-    for mesh_shape, shape in CONFIGS:
+        result["configs"].append(run_config(mesh_shape, shape, quick=args.quick, execute="pairs" in parts, rng=rng))
+    for mesh_shape, shape in CONFIGS if "xla" in parts else ():
         cmp = xla_compare(mesh_shape, shape, quick=args.quick, timing_pairs=args.timing_pairs, reps=args.reps)
         if cmp is not None:
             result["xla"].append({"mesh": list(mesh_shape), "shape": list(shape), **cmp})
@@ -342,10 +358,14 @@ def print_tables(result: dict) -> None:
     head = f"{'mesh':<9} {'shape':<12} {'pairs':>7} {'wrong':>6} {'colls':>7} {'MB/dev in':>10} {'plan µs med':>11} {'p90':>7}"
     print(head + "\n" + "-" * len(head))
     for c in result["configs"]:
-        print(f"{'x'.join(map(str, c['mesh'])):<9} {'x'.join(map(str, c['shape'])):<12} {c['pairs']:>7} {c['wrong']:>6} "
+        wrong = "-" if c["wrong"] is None else c["wrong"]
+        print(f"{'x'.join(map(str, c['mesh'])):<9} {'x'.join(map(str, c['shape'])):<12} {c['pairs']:>7} {wrong:>6} "
               f"{c['collectives']:>7} {c['bytes'] / 1e6:>10.1f} {c['planning_us_median']:>11.0f} {c['planning_us_p90']:>7.0f}")
         print(f"{'':<22}by kind: " + ", ".join(f"{k} {v} ({c['bytes_by_kind'][k] / 1e6:.1f} MB)"
                                              for k, v in sorted(c["collectives_by_kind"].items())))
+        sub = c["dtensor_accepted_subset"]
+        print(f"{'':<22}pairs DTensor's public API accepts (no new Partial target): {sub['pairs']}, "
+              f"{sub['collectives']} collectives, {sub['bytes'] / 1e6:.1f} MB")
     p = result["planning_6d"]
     print(f"planning on mesh (2,)*6, f32[16,16,16]: median {p['planning_us_median']:.0f} µs, p90 {p['planning_us_p90']:.0f} µs")
     print("\nvs XLA resharding (jit identity with in/out shardings) on the pairs XLA can express;")

@@ -131,10 +131,19 @@ def exchange_schedule(src: Spec, dst: Spec) -> Schedule:
 
 
 def _match(demands) -> list[tuple[int, int]]:
-    """A maximum matching of receivers to senders (each at most once per round), as (demand, sender)."""
+    """A maximum matching of receivers to senders (each at most once per round), as (demand, sender).
+
+    The busiest receivers and senders go first, so that a round serves every device that still has the
+    most to receive or send and the number of rounds stays at the largest such count where possible.
+    """
     wanted: dict = {}  # receiver -> senders able to serve one of its demands
+    load: dict = {}  # sender -> how many demands it could serve
     for t, devices, _, _ in demands:
         wanted.setdefault(t, {}).update(dict.fromkeys(devices))
+        for s in devices:
+            load[s] = load.get(s, 0) + 1
+    for t in wanted:
+        wanted[t] = sorted(wanted[t], key=lambda s: -load[s])
     receiver_of: dict = {}
 
     def augment(t, seen) -> bool:  # Kuhn's augmenting path
@@ -146,7 +155,10 @@ def _match(demands) -> list[tuple[int, int]]:
                     return True
         return False
 
-    for t in wanted:
+    pending = {}
+    for t, _, _, _ in demands:
+        pending[t] = pending.get(t, 0) + 1
+    for t in sorted(wanted, key=lambda t: -pending[t]):
         augment(t, set())
     out = []
     for s, t in receiver_of.items():
