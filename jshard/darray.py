@@ -150,10 +150,9 @@ def distribute(x, mesh: Mesh, placements: Sequence[Placement]) -> DArray:
     >>> [a.tolist() for a in x.to_local()][:5]
     [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [], [0.0, 0.0]]
     """
-    if not isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, bool, complex)):
-        x = np.asarray(x)
-    spec = Spec.create(mesh, placements, np.shape(x), jnp.asarray(x).dtype if isinstance(x, (int, float, bool, complex))
-                       else x.dtype, where="distribute")
+    if not isinstance(x, (jax.Array, np.ndarray)):
+        x = jnp.asarray(x)  # scalars and lists: the dtype JAX gives them
+    spec = Spec.create(mesh, placements, x.shape, x.dtype, where="distribute")
     replicated = spec.with_placements((Replicate(),) * len(spec.placements))
     plan = plan_redistribute(replicated, spec.placements)
     x = jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
