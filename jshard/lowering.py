@@ -25,10 +25,12 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .exchange import exchange_schedule
+from .local import PerDevice
 from .planner import Plan, Step
+from .rules.registry import rule_for
 from .spec import Spec
 
-__all__ = ["compile_plan", "local_program", "reduce_identity"]
+__all__ = ["compile_plan", "local_program", "local_equation", "reduce_identity"]
 
 
 def reduce_identity(op: str, dtype) -> np.generic:
@@ -76,6 +78,25 @@ def local_program(plan: Plan) -> Callable:
         for fn in steps:
             x = fn(x)
         return x
+
+    return run
+
+
+def local_equation(prim, params: dict, in_specs, out_specs) -> Callable:
+    """The per-device function of one equation whose inputs have ``in_specs`` and outputs ``out_specs``
+    (a strategy chosen by ``jshard.propagate.select``): padded local blocks in, a list of blocks out.
+
+    Most primitives simply run on the local blocks; a rule supplies its own local form where params hold
+    global sizes or a device needs its offsets (iota, reshape, gathers from a sharded table, RNG).
+    """
+    rule = rule_for(prim)
+    if rule is not None and rule.local is not None:
+        return rule.local(prim, params, tuple(in_specs), tuple(out_specs))
+    bind = prim.get_bind_params(params)
+
+    def run(*blocks):
+        out = prim.bind(*blocks, **bind)
+        return list(out) if prim.multiple_results else [out]
 
     return run
 
@@ -134,24 +155,6 @@ def _find(buffer: np.ndarray, target: np.ndarray, *, fill: int | None, what: str
 # emitting JAX
 
 
-class _PerDevice:
-    """A static table with one row per device (shape ``mesh_shape + row``), read by the running device.
-
-    Only the mesh axes it varies along are indexed at run time; a table equal on all devices is static.
-    """
-
-    def __init__(self, values: np.ndarray, names: tuple[str, ...]):
-        k = len(names)
-        self.names = names
-        self.axes = tuple(a for a in range(k) if not np.all(values == values.take([0], axis=a)))
-        self.values = values[tuple(slice(None) if a in self.axes else 0 for a in range(k))]
-
-    def __call__(self):
-        if not self.axes:
-            return self.values
-        return jnp.asarray(self.values)[tuple(lax.axis_index(self.names[a]) for a in self.axes)]
-
-
 class _Select:
     """Re-index one tensor dim with a per-device table, as cheaply as its shape allows."""
 
@@ -164,7 +167,7 @@ class _Select:
         contiguous = (bool(np.all(~valid | (offsets == starts[..., None])))
                       and bool(np.all((starts >= 0) & (starts + self.m <= buffer_len))))
         self.slice = contiguous
-        self.rows = _PerDevice(starts[..., None] if contiguous else np.where(valid, table, 0), names)
+        self.rows = PerDevice(starts[..., None] if contiguous else np.where(valid, table, 0), names)
         self.identity = contiguous and not self.rows.axes and int(self.rows.values[0]) == 0 and self.m == buffer_len
 
     def __call__(self, x):
@@ -194,7 +197,7 @@ def _exchange(mesh, step: Step, spec: Spec) -> Callable:
             for d in range(len(shape)):
                 send[d][t.source, : len(t.src_pos[d])] = t.src_pos[d]
                 recv[d][t.target, : len(t.dst_pos[d])] = t.dst_pos[d]
-        wrap = lambda ts: [_PerDevice(a.reshape(mesh_shape + a.shape[-1:]), names) for a in ts]
+        wrap = lambda ts: [PerDevice(a.reshape(mesh_shape + a.shape[-1:]), names) for a in ts]
         return wrap(send), wrap(recv)
 
     local = None

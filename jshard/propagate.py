@@ -1,6 +1,341 @@
-"""Placement propagation through a jaxpr (arrives with the rules and engine issues).
+"""Choosing a placement for one equation: expand single-axis rules to the mesh, take the cheapest.
 
-It will expand the single-mesh-axis rules of ``jshard.rules`` to the N-D mesh, choose per equation the
-strategy of least redistribution cost (``jshard.planner``) and produce the plan that ``jshard.lowering``
-turns into one ``shard_map`` program. Nothing here runs yet.
+``select`` answers, for a primitive, its params and the specs its inputs currently have: which input
+specs the equation should run on (the redistributions to pay) and which specs its outputs get. It is a
+priority-queue search over per-axis choices that **starts from the current placements**: on each mesh
+axis the filled rule columns are sorted by what moving the inputs there costs (alpha-beta, from
+``jshard.cost``), and combinations are popped cheapest first; the first one that is valid on the whole
+mesh (no mixed Partial kinds, evenly sharded where a rule reads across a dim, the rule's own check) is
+the answer, and nothing cheaper exists. Usually it is the very first pop: the inputs already match a
+rule on every axis and nothing moves. Size-1 axes are skipped; ties go to fewer changed inputs, then to
+outputs that keep more sharding. Results are memoised per (primitive, params, input specs).
+
+>>> import jax, jax.numpy as jnp
+>>> from jshard import Spec, Shard, Partial, Replicate
+>>> mesh = jax.make_mesh((2, 4), ("dp", "tp"))
+>>> x = Spec.create(mesh, [Shard(0), Partial()], (8, 16), "float32")
+>>> y = Spec.create(mesh, [Replicate(), Replicate()], (8, 16), "float32")
+>>> out = [jax.core.ShapedArray((8, 16), jnp.float32)]
+>>> c = select(jax.lax.add_p, {}, [x, y], out)
+>>> c.outs[0].placements, c.ins[1].placements, c.cost
+((S(0), P(sum)), (S(0), P(sum)), 0.0)
+>>> select(jax.lax.exp_p, {}, [x], out).ins[0].placements   # exp needs the sum: reduce-scatter over tp
+(S(0), S(0))
 """
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from .cost import CostModel
+from .placements import Partial, Placement, Replicate, Shard
+from .planner import DEFAULT_COST_MODEL
+from .rules import registry
+from .rules.registry import Column, Rule, fill, rule_for
+from .spec import Spec, dim_layout
+
+__all__ = ["Choice", "ConstAval", "select", "offered", "clear_caches"]
+
+_R = Replicate()
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The decision for one equation: the specs its inputs must have, its output specs, the estimated
+    redistribution cost (µs) and the rule that justified it (None: no rule, everything replicated)."""
+
+    ins: tuple[Spec, ...]
+    outs: tuple[Spec, ...]
+    cost: float
+    rule: Rule | None
+
+    def __str__(self) -> str:
+        return (", ".join(map(str, self.outs)) + " <- " + ", ".join(map(str, self.ins))
+                + f"  ({self.cost:.1f} µs)")
+
+
+def select(prim: Any, params: dict, in_specs: Sequence[Spec], out_avals: Sequence[Any], *,
+           consts: Sequence[Any] | None = None, mesh: Mesh | None = None,
+           cost_model: CostModel | None = None) -> Choice:
+    """The cheapest correct strategy for ``prim`` with ``params`` on inputs that have ``in_specs``.
+
+    ``out_avals`` are the outputs' abstract values (``.shape``, ``.dtype``), as in a jaxpr equation.
+    ``consts`` gives, per input, its value when it is a known constant (a jaxpr literal) or None: rules
+    may use it (multiplying a ``P(max)`` by a positive constant keeps it). ``mesh`` is needed only when
+    there are no inputs.
+    """
+    model = cost_model or DEFAULT_COST_MODEL
+    name = prim if isinstance(prim, str) else prim.name
+    consts = _consts_key(consts, len(in_specs))
+    key = (name, _freeze(params), tuple(in_specs), _avals_key(out_avals), consts, mesh, model)
+    hit = _SELECTED.get(key)
+    if hit is None:
+        sel = _Selection(name, params, tuple(in_specs), tuple(out_avals), model, consts, mesh)
+        hit = _SELECTED[key] = sel.run()
+    return hit
+
+
+def offered(prim: Any, params: dict, in_specs: Sequence[Spec], out_avals: Sequence[Any], *,
+            consts: Sequence[Any] | None = None, mesh: Mesh | None = None) -> list[tuple]:
+    """Every output placement tuple (one per output) the rules allow for inputs exactly as they are."""
+    name = prim if isinstance(prim, str) else prim.name
+    sel = _Selection(name, params, tuple(in_specs), tuple(out_avals), DEFAULT_COST_MODEL,
+                     _consts_key(consts, len(in_specs)), mesh)
+    per_axis = [sel.lookup.get(sel.current(m), []) for m in sel.active]
+    found = []
+    for combo in _product(per_axis):
+        cand = sel.candidate(combo, keep_inputs=True)
+        if cand is not None:
+            outs = tuple(s.placements for s in cand[1])
+            if outs not in found:
+                found.append(outs)
+    return found
+
+
+def clear_caches() -> None:
+    """Forget memoised selections and rule expansions (for benchmarks of the uncached path)."""
+    _SELECTED.clear()
+    _COLUMNS.clear()
+    _even.cache_clear()
+
+
+# ---------------------------------------------------------------------------------------------------
+# internals
+
+_SELECTED: dict = {}
+_COLUMNS: dict = {}
+
+
+def _hashable(v):
+    try:
+        hash(v)
+        return v
+    except TypeError:
+        if isinstance(v, (list, tuple)):
+            return tuple(map(_hashable, v))
+        if isinstance(v, dict):
+            return _freeze(v)
+        if isinstance(v, np.ndarray):
+            return ("ndarray", v.shape, str(v.dtype), v.tobytes())
+        return ("id", id(v))
+
+
+def _freeze(params: dict) -> tuple:
+    return tuple((k, _hashable(v)) for k, v in sorted(params.items()))
+
+
+def _consts_key(consts, n: int) -> tuple:
+    if consts is None:
+        return (None,) * n
+    return tuple(None if c is None else _Const(np.asarray(c)) for c in consts)
+
+
+class _Const:
+    """A known constant input, hashable by value."""
+
+    __slots__ = ("value", "_key")
+
+    def __init__(self, value: np.ndarray):
+        self.value = value
+        self._key = (value.shape, str(value.dtype), value.tobytes())
+
+    def __hash__(self):
+        return hash(self._key)
+
+    def __eq__(self, other):
+        return isinstance(other, _Const) and self._key == other._key
+
+
+class ConstAval:
+    """The aval a rule sees for a known constant input: ``.shape``, ``.dtype`` and ``.value``."""
+
+    __slots__ = ("shape", "dtype", "value")
+
+    def __init__(self, shape, dtype, value):
+        self.shape, self.dtype, self.value = shape, dtype, value
+
+
+def _avals_key(avals) -> tuple:
+    return tuple((tuple(a.shape), a.dtype) for a in avals)
+
+
+@lru_cache(maxsize=65536)
+def _even(length: int, mesh_shape: tuple[int, ...], chain: tuple) -> bool:
+    return bool((dim_layout(length, mesh_shape, chain) >= 0).all())
+
+
+def _partial_ok(dtype) -> bool:
+    try:
+        return np.dtype(dtype) != np.bool_
+    except TypeError:  # extended dtypes (PRNG keys) are never pending reductions
+        return False
+
+
+def _score(p: Placement) -> int:
+    return 2 if p.is_shard else 1 if p.is_partial else 0
+
+
+def _product(lists):
+    if not lists:
+        yield ()
+        return
+    for head in lists[0]:
+        for tail in _product(lists[1:]):
+            yield (head,) + tail
+
+
+class _Selection:
+    """One selection problem: the filled columns, the per-axis options and the search over them."""
+
+    def __init__(self, name: str, params: dict, in_specs: tuple[Spec, ...], out_avals: tuple, model: CostModel,
+                 consts: tuple, mesh: Mesh | None):
+        self.name, self.params, self.in_specs, self.out_avals, self.model = name, params, in_specs, out_avals, model
+        self.consts = consts
+        mesh = in_specs[0].mesh if in_specs else mesh
+        if mesh is None:
+            raise ValueError(f"select('{name}'): an equation without inputs needs mesh=")
+        self.mesh = mesh
+        self.mesh_shape = tuple(mesh.devices.shape) if mesh is not None else ()
+        self.active = tuple(m for m, n in enumerate(self.mesh_shape) if n > 1)
+        self.rule = rule_for(name)
+        kinds = sorted({p.split_factor for s in in_specs for p in s.placements if p.is_shard})
+        ckey = (name, _freeze(params), tuple((s.shape, s.dtype) for s in in_specs), _avals_key(out_avals),
+                consts, tuple(kinds))
+        cached = _COLUMNS.get(ckey)
+        if cached is None:
+            cached = _COLUMNS[ckey] = self._columns(kinds)
+        self.columns, self.lookup = cached
+
+    def _columns(self, kinds):
+        n_in, n_out = len(self.in_specs), len(self.out_avals)
+        cols = [Column((_R,) * n_out, (_R,) * n_in, frozenset())]
+        if self.rule is not None:
+            in_avals = tuple(jax.core.ShapedArray(s.shape, s.dtype) if c is None else ConstAval(s.shape, s.dtype, c.value)
+                             for s, c in zip(self.in_specs, self.consts))
+            for c in fill(self.rule.strategies(in_avals, self.out_avals, self.params), kinds, n_out):
+                if len(c.outs) != n_out or len(c.ins) != n_in:
+                    raise ValueError(f"rule for '{self.name}' returned {c} for {n_out} outputs and {n_in} inputs")
+                dtypes = [a.dtype for a in self.out_avals] + [s.dtype for s in self.in_specs]
+                if any(p.is_partial and not _partial_ok(dt) for p, dt in zip(c.outs + c.ins, dtypes)):
+                    continue
+                cols.append(c)
+        lookup: dict = {}
+        for c in cols:
+            lookup.setdefault(c.ins, []).append(c)
+        for v in lookup.values():
+            v.sort(key=lambda c: -sum(map(_score, c.outs)))
+        return cols, lookup
+
+    def current(self, m: int) -> tuple[Placement, ...]:
+        return tuple(s.placements[m] for s in self.in_specs)
+
+    # -- validity of one N-D combination --------------------------------------------------------------
+    def candidate(self, combo: Sequence[Column], keep_inputs: bool = False):
+        """``(in_specs, out_specs)`` for per-active-axis ``combo``, or None if invalid on the mesh."""
+        k = len(self.mesh_shape)
+        ins = [[_R] * k for _ in self.in_specs]
+        outs = [[_R] * k for _ in self.out_avals]
+        if keep_inputs:  # report the inputs exactly as given (size-1 axes included)
+            ins = [list(s.placements) for s in self.in_specs]
+        for m, col in zip(self.active, combo):
+            for i, p in enumerate(col.ins):
+                ins[i][m] = p
+            for j, p in enumerate(col.outs):
+                outs[j][m] = p
+        in_specs = tuple(Spec(s.mesh, tuple(pl), s.shape, s.dtype) for s, pl in zip(self.in_specs, ins))
+        out_specs = tuple(Spec(self.mesh, tuple(pl), tuple(a.shape), a.dtype) for a, pl in zip(self.out_avals, outs))
+        specs = out_specs + in_specs
+        for s in specs:
+            ops = {p.op for p in s.placements if p.is_partial}
+            if len(ops) > 1 and not ops <= {"sum", "avg"}:
+                return None
+        for col in combo:
+            for pos, d in col.even:
+                s = specs[pos]
+                if not _even(s.shape[d], self.mesh_shape, s.chain(d)):
+                    return None
+        if self.rule is not None and self.rule.check is not None:
+            if not self.rule.check(self.params, in_specs, out_specs):
+                return None
+        return in_specs, out_specs
+
+    # -- costs ---------------------------------------------------------------------------------------
+    def _nbytes(self, s: Spec) -> float:
+        shards = math.prod(self.mesh_shape[m] for m, p in enumerate(s.placements) if p.is_shard)
+        itemsize = getattr(s.dtype, "itemsize", 8)
+        return math.prod(s.shape) * itemsize / shards
+
+    def _hop(self, src: Placement, dst: Placement, nbytes: float, m: int) -> tuple[float, int]:
+        if src == dst:
+            return 0.0, 0
+        names, n = (self.mesh.axis_names[m],), self.mesh_shape[m]
+        if src.is_replicate:
+            return 0.0, 1  # a local slice, or R -> P: the value on one coordinate, the identity elsewhere
+        if dst.is_partial and src.is_shard:
+            return math.inf, 1  # never spread a shard into a full-size pending reduction
+        if dst.is_replicate:
+            kind = "all_gather" if src.is_shard else "all_reduce"
+        elif dst.is_shard:
+            kind = "all_to_all" if src.is_shard else "reduce_scatter"
+        else:
+            kind = "all_reduce"  # P(op) -> P(op'): reduce, then the free R -> P(op')
+        return self.model.collective(kind, names, n, nbytes), 1
+
+    def options(self, m: int) -> list[tuple[tuple, Column]]:
+        cur = self.current(m)
+        nbytes = [self._nbytes(s) for s in self.in_specs]
+        opts = []
+        for col in self.columns:
+            cost, changes = 0.0, 0
+            for i, (a, b) in enumerate(zip(cur, col.ins)):
+                c, ch = self._hop(a, b, nbytes[i], m)
+                cost += c
+                changes += ch
+            if cost < math.inf:
+                opts.append(((cost, changes, -sum(map(_score, col.outs))), col))
+        opts.sort(key=lambda o: o[0])
+        return opts
+
+    # -- the search ----------------------------------------------------------------------------------
+    def run(self) -> Choice:
+        # fast path: the inputs already match a rule on every axis
+        firsts = []
+        for m in self.active:
+            hits = self.lookup.get(self.current(m))
+            if not hits:
+                break
+            firsts.append(hits[0])
+        else:
+            cand = self.candidate(firsts)
+            if cand is not None:
+                return Choice(cand[0], cand[1], 0.0, self.rule)
+        per_axis = [self.options(m) for m in self.active]
+        start = (0,) * len(per_axis)
+        heap = [(self._key(per_axis, start), start)]
+        seen = {start}
+        while heap:
+            key, idx = heapq.heappop(heap)
+            cand = self.candidate([per_axis[a][i][1] for a, i in enumerate(idx)])
+            if cand is not None:
+                return Choice(cand[0], cand[1], key[0], self.rule)
+            for a in range(len(idx)):
+                if idx[a] + 1 < len(per_axis[a]):
+                    nxt = idx[:a] + (idx[a] + 1,) + idx[a + 1:]
+                    if nxt not in seen:
+                        seen.add(nxt)
+                        heapq.heappush(heap, (self._key(per_axis, nxt), nxt))
+        raise AssertionError(f"no valid strategy for '{self.name}' on {self.in_specs}: all-Replicate must be valid")
+
+    @staticmethod
+    def _key(per_axis, idx):
+        keys = [per_axis[a][i][0] for a, i in enumerate(idx)]
+        return (sum(k[0] for k in keys), sum(k[1] for k in keys), sum(k[2] for k in keys))

@@ -1,0 +1,48 @@
+"""What a device knows about its own block at run time, inside ``shard_map``.
+
+Block storage pads every local block to the largest local shape and the placements decide which global
+indices a device holds; these helpers turn a spec's static layout tables into values a per-device
+function can use: the global index of every position of its block along a dim (``-1`` on padding), and
+the mask of its real (non-padding) positions. Only the mesh axes a table varies along are read with
+``lax.axis_index``; a table equal on all devices is a constant.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .spec import Spec
+
+__all__ = ["PerDevice", "global_index", "valid_mask"]
+
+
+class PerDevice:
+    """A static table with one row per device (shape ``mesh_shape + row``), read by the running device.
+
+    >>> import numpy as np
+    >>> PerDevice(np.array([[3, 4], [3, 4]]), ("x",))()   # equal on every device: a constant
+    array([3, 4])
+    """
+
+    def __init__(self, values: np.ndarray, names: tuple[str, ...]):
+        k = len(names)
+        self.names = names
+        self.axes = tuple(a for a in range(k) if not np.all(values == values.take([0], axis=a)))
+        self.values = values[tuple(slice(None) if a in self.axes else 0 for a in range(k))]
+
+    def __call__(self):
+        if not self.axes:
+            return self.values
+        return jnp.asarray(self.values)[tuple(lax.axis_index(self.names[a]) for a in self.axes)]
+
+
+def global_index(spec: Spec, dim: int):
+    """Int32 vector: the global index of each position of this device's block along ``dim`` (-1: padding)."""
+    return jnp.asarray(PerDevice(spec.layouts[dim].astype(np.int32), tuple(spec.mesh.axis_names))())
+
+
+def valid_mask(spec: Spec, dim: int):
+    """Bool vector: which positions of this device's block along ``dim`` hold data (not padding)."""
+    return global_index(spec, dim) >= 0

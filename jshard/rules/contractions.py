@@ -1,0 +1,1 @@
+"""Rules for the contractions family (being written)."""

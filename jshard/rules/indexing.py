@@ -1,0 +1,1 @@
+"""Rules for the indexing family (being written)."""

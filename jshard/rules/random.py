@@ -1,0 +1,1 @@
+"""Rules for the random family (being written)."""

@@ -1,0 +1,1 @@
+"""Rules for the reductions family (being written)."""

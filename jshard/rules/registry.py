@@ -1,0 +1,159 @@
+"""Rules as data: what a rule returns, how it is registered, and how its placeholders are filled.
+
+A rule describes **one mesh axis** and never sees the mesh. Given the input and output avals and the
+equation's params it lists the correct placement tuples ``(outputs..., inputs...)`` built from
+``Replicate()``, ``Partial(op)`` and ``ShardPlaceholder(d)``. Matmul ``x[m,k] @ w[k,n]``:
+
+>>> from jshard import Partial, Replicate
+>>> R, Φ = Replicate(), ShardPlaceholder
+>>> matmul = [(Φ(0), Φ(0), R), (Φ(1), R, Φ(1)), (Partial(), Φ(1, even=True), Φ(0, even=True))]
+
+The all-Replicate tuple is added by the infrastructure, never by a rule. ``fill`` turns placeholders into
+the shard kinds found in the inputs (``Shard`` and each ``StridedShard`` split factor), once per kind, so a
+rule written for ``Shard`` serves strided layouts too; without sharded inputs placeholder tuples vanish:
+
+>>> fill(matmul, (1, 2))[5]
+Column(outs=(P(sum),), ins=(SS(1,2), SS(0,2)), even=frozenset({(1, 1), (2, 0)}))
+
+``even=True`` marks a dim the operation reads across (a contraction, a reduction): the padding of an
+unevenly sharded block would be read, so the tuple only applies to inputs that are evenly sharded there.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
+
+from ..placements import REDUCE_OPS, Partial, Placement, Replicate, Shard, StridedShard
+
+__all__ = [
+    "ShardPlaceholder",
+    "Column",
+    "Rule",
+    "register",
+    "rule_for",
+    "registered",
+    "fill",
+    "R",
+    "PARTIALS",
+    "LINEAR",
+    "ORDER",
+]
+
+R = Replicate()
+PARTIALS = tuple(Partial(op) for op in REDUCE_OPS)  # sum, avg, max, min
+LINEAR = PARTIALS[:2]  # the pending reductions that distribute over + and scaling: sum, avg
+ORDER = PARTIALS[2:]  # the ones that commute with order-preserving maps: max, min
+
+
+@dataclass(frozen=True, slots=True)
+class ShardPlaceholder:
+    """"Sharded on tensor dim ``dim`` by whatever shard kind the inputs use" (written Φd).
+
+    ``even=True``: the operation reads across this dim, so the tuple needs an evenly sharded dim.
+
+    >>> ShardPlaceholder(1), ShardPlaceholder(0, even=True)
+    (Φ1, Φ0!)
+    """
+
+    dim: int
+    even: bool = False
+    is_replicate: ClassVar[bool] = False
+    is_shard: ClassVar[bool] = True
+    is_partial: ClassVar[bool] = False
+
+    def __repr__(self) -> str:
+        return f"Φ{self.dim}{'!' if self.even else ''}"
+
+
+class Column(NamedTuple):
+    """One filled single-axis strategy: output placements, input placements, and the ``(position, dim)``
+    pairs (positions count outputs first, then inputs) that must be evenly sharded."""
+
+    outs: tuple[Placement, ...]
+    ins: tuple[Placement, ...]
+    even: frozenset
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A registered rule: ``strategies(ins, outs, params)`` lists single-axis tuples; ``local(prim, params,
+    in_specs, out_specs)`` (optional) builds the per-device function when binding the primitive with its
+    params on local blocks would be wrong (global sizes in params, offsets, masks); ``check(params, in_specs,
+    out_specs)`` (optional) rejects N-D combinations that single-axis tuples cannot rule out."""
+
+    name: str
+    strategies: Callable[[tuple, tuple, dict], Sequence[tuple]]
+    local: Callable | None = None
+    check: Callable | None = None
+    local_uses_out: bool = False
+
+
+_RULES: dict[str, Rule] = {}
+_WARNED: set[str] = set()
+
+
+def _name(prim: Any) -> str:
+    return prim if isinstance(prim, str) else prim.name
+
+
+def register(*prims, local: Callable | None = None, check: Callable | None = None) -> Callable:
+    """Decorator registering ``fn(ins, outs, params) -> [tuples]`` for primitives (objects or names).
+
+    ``ins`` / ``outs`` are the avals (``.shape``, ``.dtype``); ``params`` the equation's params.
+    """
+
+    def deco(fn):
+        for p in prims:
+            _RULES[_name(p)] = Rule(_name(p), fn, local, check, local_uses_out=local is not None)
+        return fn
+
+    return deco
+
+
+def rule_for(prim: Any) -> Rule | None:
+    """The rule of a primitive, or None (one warning per primitive: it will run replicated)."""
+    name = _name(prim)
+    rule = _RULES.get(name)
+    if rule is None and name not in _WARNED:
+        _WARNED.add(name)
+        warnings.warn(
+            f"jshard has no sharding rule for primitive '{name}': its inputs are replicated and it runs "
+            "on every device (correct, but it may communicate more than needed)",
+            stacklevel=3,
+        )
+    return rule
+
+
+def registered() -> tuple[str, ...]:
+    """Names of every primitive with a rule."""
+    return tuple(sorted(_RULES))
+
+
+def _concrete(entry, sf: int, pos: int, even: set) -> Placement:
+    if isinstance(entry, ShardPlaceholder):
+        if entry.even:
+            even.add((pos, entry.dim))
+        return Shard(entry.dim) if sf == 1 else StridedShard(entry.dim, sf)
+    if isinstance(entry, StridedShard) and entry.split_factor == 1:
+        return Shard(entry.dim)
+    return entry
+
+
+def fill(strategies: Sequence[tuple], kinds: Sequence[int], n_out: int = 1) -> list[Column]:
+    """Concrete single-axis columns: each placeholder tuple once per shard kind in ``kinds`` (split factors,
+    1 = Shard), concrete tuples as they are; ``n_out`` entries of each tuple are outputs."""
+    cols = []
+    seen = set()
+    for t in strategies:
+        has_ph = any(isinstance(e, ShardPlaceholder) for e in t)
+        for sf in kinds if has_ph else (1,):
+            even: set = set()
+            c = tuple(_concrete(e, sf, i, even) for i, e in enumerate(t))
+            key = (c, frozenset(even))
+            if key not in seen:
+                seen.add(key)
+                cols.append(Column(c[:n_out], c[n_out:], frozenset(even)))
+    return cols

@@ -1,0 +1,1 @@
+"""Rules for the shapes family (being written)."""

@@ -1,0 +1,386 @@
+"""The rule validator: every rule checked against the single-device result, on 1-D meshes.
+
+For a primitive, each sample equation (params and concrete inputs, from ``samples``) is run once on one
+device: that is the truth. Then, on meshes of 2, 3 and 4 devices, every combination of input placements
+(``R``, ``S(d)``, ``P(sum|avg|max|min)``) is built from unequal parts (shards padded with NaN or a
+sentinel, Partials split into unequal pieces, max/min with a random winner per element), the equation's
+per-device function (``jshard.lowering.local_equation``) runs on every device, and every output
+placement is tested against the truth:
+
+- **correct**: the rules offer it and it holds;
+- **incorrect**: the rules offer it and it does not hold on some sample (a wrong number in waiting);
+- **missing**: the rules do not offer it, and it held on every sample where it was tried.
+
+Each sample is also run negated, and Partial parts are drawn twice, so coincidences rarely pass as
+missing rules. Combinations whose inputs are all Replicate are the infrastructure's, not the rule's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jc
+from jax.sharding import Mesh
+
+from ..placements import REDUCE_OPS, Partial, Placement, Replicate, Shard
+from ..lowering import local_equation
+from ..propagate import _freeze, offered
+from ..rules.registry import registered, rule_for
+from ..spec import Spec
+from . import samples as _samples
+
+__all__ = ["Sample", "Report", "collect", "validate"]
+
+_AXIS = "x"
+
+
+@dataclass
+class Sample:
+    """One equation with concrete inputs: ``prim``, ``params``, input values, which inputs are literals."""
+
+    prim: jc.Primitive
+    params: dict
+    values: list[np.ndarray]
+    literal: list[bool]
+    out_avals: list
+    source: str = ""
+
+    def truth(self, values=None) -> list[np.ndarray]:
+        vals = self.values if values is None else values
+        out = self.prim.bind(*vals, **self.prim.get_bind_params(self.params))
+        return [np.asarray(o) for o in (out if self.prim.multiple_results else [out])]
+
+
+@dataclass
+class Report:
+    """Per primitive: counts of correct / incorrect / missing placement combinations, and examples."""
+
+    name: str
+    correct: int = 0
+    incorrect: int = 0
+    missing: int = 0
+    seconds: float = 0.0
+    incorrect_cases: list = field(default_factory=list)
+    missing_cases: list = field(default_factory=list)
+    errors: list = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------------
+# samples
+
+
+def _is_key(x) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
+
+
+def _walk(jaxpr: jc.Jaxpr, consts, args, out: list, source: str):
+    env = {}
+    read = lambda v: v.val if isinstance(v, jc.Literal) else env[v]
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        vals = [read(v) for v in eqn.invars]
+        for k, p in eqn.params.items():  # nested programs (jit, custom_jvp_call, ...) contribute their eqns
+            inner = p.jaxpr if isinstance(p, jc.ClosedJaxpr) else None
+            if inner is not None and k in ("jaxpr", "call_jaxpr") and len(inner.invars) == len(vals):
+                _walk(inner, p.consts, vals, out, source)
+        res = eqn.primitive.bind(*vals, **eqn.primitive.get_bind_params(eqn.params))
+        res = res if eqn.primitive.multiple_results else [res]
+        out.append(Sample(eqn.primitive, dict(eqn.params),
+                          [v if _is_key(v) else np.asarray(v) for v in vals],
+                          [isinstance(v, jc.Literal) for v in eqn.invars], [v.aval for v in eqn.outvars], source))
+        env.update((v, r) for v, r in zip(eqn.outvars, res) if not isinstance(v, jc.DropVar))
+
+
+def collect(names: Iterable[str] | None = None, per_signature: int = 2) -> dict[str, list[Sample]]:
+    """Samples per primitive name, from every program of ``jshard.validate.samples``; at most
+    ``per_signature`` samples with the same shapes, dtypes, literals and params."""
+    wanted = None if names is None else set(names)
+    found: dict[str, list[Sample]] = {}
+    counts: dict = {}
+    for module in _samples.MODULES:
+        for fn, args in module.PROGRAMS:
+            closed = jax.make_jaxpr(fn)(*args)
+            got: list[Sample] = []
+            _walk(closed.jaxpr, closed.consts, list(args), got, module.__name__.rsplit(".", 1)[-1])
+            for s in got:
+                if wanted is None or s.prim.name in wanted:
+                    sig = (s.prim.name, tuple((np.shape(v), str(v.dtype)) for v in s.values), tuple(s.literal),
+                           _freeze(s.params))
+                    if counts.get(sig, 0) < per_signature:
+                        counts[sig] = counts.get(sig, 0) + 1
+                        found.setdefault(s.prim.name, []).append(s)
+    return found
+
+
+# ---------------------------------------------------------------------------------------------------
+# building inputs and reading outputs
+
+
+def _mesh(n: int) -> Mesh:
+    return Mesh(np.array(jax.devices()[:n]), (_AXIS,))
+
+
+def _numeric(dtype) -> bool:
+    return not _is_key_dtype(dtype) and np.dtype(dtype) != np.bool_
+
+
+def _is_key_dtype(dtype) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+
+
+def _placements(rank: int, dtype, literal: bool) -> list[Placement]:
+    if literal:
+        return [Replicate()]
+    out = [Replicate()] + [Shard(d) for d in range(rank)]
+    if _numeric(dtype):
+        out += [Partial(op) for op in REDUCE_OPS]
+    return out
+
+
+def _garbage(dtype):
+    dtype = np.dtype(dtype)
+    if dtype.kind in "fc":
+        return np.nan
+    if dtype == np.bool_:
+        return True
+    return np.iinfo(dtype).max // 3 + 7
+
+
+def _parts(value: np.ndarray, p: Placement, n: int, rng) -> list[np.ndarray]:
+    if not p.is_partial:
+        return [value] * n
+    dt = value.dtype
+    if p.op in ("sum", "avg"):
+        d = rng.integers(-4, 5, size=(n - 1,) + value.shape).astype(dt)
+        if p.op == "sum":
+            return [value - d.sum(0).astype(dt)] + list(d)
+        return [value - d.sum(0).astype(dt)] + [value + x for x in d]
+    winner = rng.integers(0, n, size=value.shape)
+    step = rng.integers(1, 4, size=(n,) + value.shape).astype(dt)
+    if dt.kind == "f":
+        step = step / 2
+    sign = -1 if p.op == "max" else 1
+    return [np.where(winner == c, value, value + sign * step[c]).astype(dt) for c in range(n)]
+
+
+def _blocks(value: np.ndarray, spec: Spec, rng) -> np.ndarray:
+    """Stacked padded blocks ``(n, *local_block_shape)`` holding ``value`` under ``spec`` (1-D mesh)."""
+    n = spec.mesh_shape[0]
+    parts = _parts(value, spec.placements[0], n, rng)
+    out = np.full((n,) + spec.local_block_shape, _garbage(value.dtype), dtype=value.dtype)
+    for c in range(n):
+        idx = spec.global_indices((c,))
+        local = parts[c][np.ix_(*idx)] if idx else parts[c]
+        out[(c,) + tuple(slice(0, len(i)) for i in idx)] = local
+    return out
+
+
+def _tolerance(dtype) -> dict:
+    dt = np.dtype(dtype)
+    if dt.kind in "fc":
+        return dict(rtol=2e-2, atol=2e-2) if dt.itemsize <= 2 else dict(rtol=1e-4, atol=1e-4)
+    return dict(rtol=0, atol=0)
+
+
+def _close(a: np.ndarray, b: np.ndarray) -> bool:
+    if a.shape != b.shape:
+        return False
+    if a.dtype.kind in "fc" or b.dtype.kind in "fc":
+        a32, b32 = a.astype(np.complex128 if a.dtype.kind == "c" else np.float64), b.astype(np.float64 if b.dtype.kind != "c" else np.complex128)
+        return bool(np.allclose(a32, b32, equal_nan=True, **_tolerance(b.dtype)))
+    return bool(np.array_equal(a, b))
+
+
+def _holds(local: np.ndarray, spec: Spec, truth: np.ndarray) -> bool:
+    """Do the stacked per-device blocks ``local`` mean ``truth`` under ``spec``?"""
+    n = spec.mesh_shape[0]
+    if local.shape != (n,) + spec.local_block_shape:
+        return False
+    p = spec.placements[0]
+    views = []
+    for c in range(n):
+        idx = spec.global_indices((c,))
+        views.append(local[(c,) + tuple(slice(0, len(i)) for i in idx)])
+    if p.is_partial:
+        stack = np.stack(views).astype(np.float64 if truth.dtype.kind == "f" else truth.dtype)
+        if p.op == "sum":
+            red = stack.sum(0)
+        elif p.op == "avg":
+            red = stack.sum(0) / n if truth.dtype.kind in "fc" else stack.sum(0) // n
+        else:
+            red = stack.max(0) if p.op == "max" else stack.min(0)
+        return _close(np.asarray(red).astype(truth.dtype) if truth.dtype.kind not in "fc" else np.asarray(red), truth)
+    for c in range(n):
+        idx = spec.global_indices((c,))
+        want = truth[np.ix_(*idx)] if idx else truth
+        if not _close(views[c], want):
+            return False
+    return True
+
+
+def _run(fn, stacked: list, n: int):
+    outs = jax.vmap(lambda *b: fn(*b), axis_name=_AXIS, axis_size=n)(*stacked)
+    return [np.asarray(o) for o in outs]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the check
+
+
+def _out_candidates(aval) -> list[Placement]:
+    return _placements(len(aval.shape), aval.dtype, False)
+
+
+def validate(name: str, samples: Sequence[Sample], *, sizes: Sequence[int] = (2, 3, 4), max_combos: int | None = None,
+             seed: int = 0) -> Report:
+    """Validate the rule of primitive ``name`` on ``samples`` (see the module docstring)."""
+    t0 = time.perf_counter()
+    report = Report(name)
+    rng = np.random.default_rng(seed)
+    status: dict = {}  # key -> dict(offered_fail, offered_ok, free_held, free_failed)
+    for sample in samples:
+        variants = [sample.values]
+        if all(_is_key(v) or lit or np.asarray(v).dtype.kind in "fi" for v, lit in zip(sample.values, sample.literal)):
+            # negated (literals are constants the rules may have looked at: they stay)
+            variants.append([v if _is_key(v) or lit or np.asarray(v).dtype.kind not in "fi"
+                             else (-np.asarray(v)).astype(np.asarray(v).dtype)
+                             for v, lit in zip(sample.values, sample.literal)])
+        for n in sizes:
+            mesh = _mesh(n)
+            choices = [_placements(np.ndim(v) if not _is_key(v) else len(v.shape), v.dtype, lit)
+                       for v, lit in zip(sample.values, sample.literal)]
+            combos = [c for c in itertools.product(*choices) if not all(p.is_replicate for p in c)]
+            if max_combos is not None and len(combos) > max_combos:
+                pick = rng.choice(len(combos), size=max_combos, replace=False)
+                combos = [combos[i] for i in sorted(pick)]
+            for combo in combos:
+                _check_combo(sample, variants, mesh, combo, rng, status, report)
+    for key, st in status.items():
+        if st["offered_fail"]:
+            report.incorrect += 1
+            report.incorrect_cases.append((key, st["repro"]))
+        elif st["offered_ok"]:
+            report.correct += 1
+        elif st["free_held"] and not st["free_failed"]:
+            report.missing += 1
+            report.missing_cases.append((key, st["repro"]))
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _key(combo, outs) -> tuple:
+    return (tuple(map(repr, combo)), tuple(map(repr, outs)))
+
+
+def _check_combo(sample: Sample, variants, mesh: Mesh, combo, rng, status: dict, report: Report):
+    n = mesh.devices.size
+    in_specs = tuple(Spec(mesh, (p,), tuple(np.shape(v)) if not _is_key(v) else tuple(v.shape), v.dtype)
+                     for v, p in zip(sample.values, combo))
+    consts = [np.asarray(v) if lit else None for v, lit in zip(sample.values, sample.literal)]
+    try:
+        allowed = set(offered(sample.prim, sample.params, in_specs, sample.out_avals, consts=consts))
+    except Exception as e:  # a rule that crashes is a defect worth reporting, not a reason to stop
+        report.errors.append(f"{sample.prim.name} {combo}: rule raised {type(e).__name__}: {e}")
+        return
+    cand = [_out_candidates(a) for a in sample.out_avals]
+    out_tuples = list(itertools.product(*cand))
+    rule = rule_for(sample.prim)
+    custom = rule is not None and rule.local is not None  # may depend on the output placements
+    for values in variants:
+        truths = sample.truth(values)
+        for _draw in range(1):
+            stacked = [v if _is_key(v) else _blocks(np.asarray(v), s, rng) for v, s in zip(values, in_specs)]
+            default = None
+            for outs in out_tuples:
+                out_specs = tuple(Spec(mesh, (p,), tuple(a.shape), a.dtype) for a, p in zip(sample.out_avals, outs))
+                is_offered = tuple((p,) for p in outs) in allowed
+                try:
+                    fn = local_equation(sample.prim, sample.params, in_specs, out_specs)
+                    if custom:
+                        got = _run(fn, stacked, n)
+                    else:
+                        if default is None:  # the same on every device: no need for axis names
+                            per = [fn(*[b if _is_key(b) else b[c] for b in stacked]) for c in range(n)]
+                            default = [np.stack([np.asarray(p[j]) for p in per]) for j in range(len(per[0]))]
+                        got = default
+                    ok = all(_holds(g, s, t) for g, s, t in zip(got, out_specs, truths))
+                except Exception as e:  # noqa: BLE001 - a failing local function means the placement does not hold
+                    ok, got = False, repr(e)
+                key = _key(combo, outs)
+                st = status.setdefault(key, dict(offered_fail=False, offered_ok=False, free_held=False,
+                                                 free_failed=False, repro=None))
+                if is_offered:
+                    if ok:
+                        st["offered_ok"] = True
+                    else:
+                        st["offered_fail"] = True
+                        st["repro"] = st["repro"] or _repro(sample, values, in_specs, out_specs, stacked, got, truths)
+                else:
+                    if ok:
+                        st["free_held"] = True
+                        st["repro"] = st["repro"] or _repro(sample, values, in_specs, out_specs, stacked, got, truths)
+                    else:
+                        st["free_failed"] = True
+
+
+def _repro(sample, values, in_specs, out_specs, stacked, got, truths) -> str:
+    lines = [f"{sample.prim.name} {_short_params(sample.params)}  (from samples/{sample.source})"]
+    for i, (v, s, b) in enumerate(zip(values, in_specs, stacked)):
+        lines.append(f"  in{i}: {s}\n    value: {np.array2string(np.asarray(v), threshold=40)}"
+                     f"\n    blocks: {np.array2string(np.asarray(b), threshold=60)}")
+    for j, (s, t) in enumerate(zip(out_specs, truths)):
+        g = got[j] if isinstance(got, list) else got
+        lines.append(f"  out{j}: {s}\n    truth: {np.array2string(t, threshold=40)}"
+                     f"\n    blocks: {g if isinstance(g, str) else np.array2string(g, threshold=60)}")
+    return "\n".join(lines)
+
+
+def _short_params(params: dict) -> str:
+    return "{" + ", ".join(f"{k}={v}" for k, v in params.items() if k not in ("jaxpr", "call_jaxpr")) + "}"
+
+
+def registered_with_samples() -> list[str]:
+    return sorted(set(registered()) & set(collect()))
+
+
+# ---------------------------------------------------------------------------------------------------
+# one equation on an N-D mesh, end to end
+
+
+def run_equation(prim, params: dict, inputs: Sequence, *, consts: Sequence | None = None,
+                 out_avals: Sequence | None = None):
+    """Run one equation on DArrays the way a program would: ``select`` a strategy, redistribute the
+    inputs to it, run ``local_equation`` on every device inside ``shard_map``. Returns ``(outputs,
+    choice)``; compare ``[o.full() for o in outputs]`` with the single-device result.
+    """
+    from jax.sharding import PartitionSpec
+
+    from ..darray import DArray
+    from ..propagate import select
+
+    if out_avals is None:
+        fake = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
+        out = jax.eval_shape(lambda *a: prim.bind(*a, **prim.get_bind_params(params)), *fake)
+        out_avals = [jax.core.ShapedArray(o.shape, o.dtype) for o in (out if prim.multiple_results else [out])]
+    choice = select(prim, params, [x.spec for x in inputs], out_avals, consts=consts)
+    moved = [x.redistribute(s.placements) for x, s in zip(inputs, choice.ins)]
+    fn = local_equation(prim, params, choice.ins, choice.outs)
+    mesh = inputs[0].mesh
+    k = len(mesh.axis_names)
+    block = PartitionSpec(*mesh.axis_names)
+
+    def body(*blocks):
+        outs = fn(*[b.reshape(b.shape[k:]) for b in blocks])
+        return [o.reshape((1,) * k + o.shape) for o in outs]
+
+    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(block,) * len(moved),
+                                out_specs=[block] * len(choice.outs), check_vma=False))
+    blocks = run(*[m.block for m in moved])
+    return [DArray(b, s) for b, s in zip(blocks, choice.outs)], choice

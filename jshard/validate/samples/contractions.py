@@ -1,0 +1,3 @@
+"""Sample programs for the contractions family (being written)."""
+
+PROGRAMS: list = []

@@ -1,0 +1,3 @@
+"""Sample programs for the indexing family (being written)."""
+
+PROGRAMS: list = []

@@ -1,0 +1,3 @@
+"""Sample programs for the random family (being written)."""
+
+PROGRAMS: list = []

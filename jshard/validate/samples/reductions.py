@@ -1,0 +1,3 @@
+"""Sample programs for the reductions family (being written)."""
+
+PROGRAMS: list = []

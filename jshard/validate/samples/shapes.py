@@ -1,0 +1,3 @@
+"""Sample programs for the shapes family (being written)."""
+
+PROGRAMS: list = []
