@@ -15,7 +15,7 @@ from jax import lax
 
 from .spec import Spec
 
-__all__ = ["PerDevice", "global_index", "valid_mask"]
+__all__ = ["PerDevice", "global_index", "reduce_identity", "valid_mask"]
 
 
 class PerDevice:
@@ -46,3 +46,14 @@ def global_index(spec: Spec, dim: int):
 def valid_mask(spec: Spec, dim: int):
     """Bool vector: which positions of this device's block along ``dim`` hold data (not padding)."""
     return global_index(spec, dim) >= 0
+
+
+def reduce_identity(op: str, dtype) -> np.generic:
+    """The value that ``op`` ignores: 0 for sum, the lowest value for max, the highest for min."""
+    dtype = np.dtype(dtype)
+    if op in ("sum", "avg"):
+        return dtype.type(0)
+    if jnp.issubdtype(dtype, jnp.floating):
+        return dtype.type(-np.inf if op == "max" else np.inf)
+    info = jnp.iinfo(dtype)
+    return dtype.type(info.min if op == "max" else info.max)

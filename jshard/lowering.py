@@ -25,23 +25,12 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .exchange import exchange_schedule
-from .local import PerDevice
+from .local import PerDevice, reduce_identity
 from .planner import Plan, Step
 from .rules.registry import rule_for
 from .spec import Spec
 
 __all__ = ["compile_plan", "local_program", "local_equation", "reduce_identity"]
-
-
-def reduce_identity(op: str, dtype) -> np.generic:
-    """The value that ``op`` ignores: 0 for sum, the lowest value for max, the highest for min."""
-    dtype = np.dtype(dtype)
-    if op in ("sum", "avg"):
-        return dtype.type(0)
-    if jnp.issubdtype(dtype, jnp.floating):
-        return dtype.type(-np.inf if op == "max" else np.inf)
-    info = jnp.iinfo(dtype)
-    return dtype.type(info.min if op == "max" else info.max)
 
 
 @lru_cache(maxsize=4096)

@@ -76,10 +76,11 @@ def select(prim: Any, params: dict, in_specs: Sequence[Spec], out_avals: Sequenc
     model = cost_model or DEFAULT_COST_MODEL
     name = prim if isinstance(prim, str) else prim.name
     consts = _consts_key(consts, len(in_specs))
-    key = (name, _freeze(params), tuple(in_specs), _avals_key(out_avals), consts, mesh, model)
+    frozen = _freeze(params)
+    key = (name, frozen, tuple(in_specs), _avals_key(out_avals), consts, mesh, model)
     hit = _SELECTED.get(key)
     if hit is None:
-        sel = _Selection(name, params, tuple(in_specs), tuple(out_avals), model, consts, mesh)
+        sel = _Selection(name, params, tuple(in_specs), tuple(out_avals), model, consts, mesh, frozen)
         hit = _SELECTED[key] = sel.run()
     return hit
 
@@ -106,6 +107,7 @@ def clear_caches() -> None:
     _SELECTED.clear()
     _COLUMNS.clear()
     _even.cache_clear()
+    dim_layout.cache_clear()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -130,7 +132,12 @@ def _hashable(v):
 
 
 def _freeze(params: dict) -> tuple:
-    return tuple((k, _hashable(v)) for k, v in sorted(params.items()))
+    items = tuple(params.items())  # an equation's params keep their order
+    try:
+        hash(items)
+        return items
+    except TypeError:
+        return tuple((k, _hashable(v)) for k, v in items)
 
 
 def _consts_key(consts, n: int) -> tuple:
@@ -181,7 +188,8 @@ def _partial_ok(dtype) -> bool:
 
 
 def _score(p: Placement) -> int:
-    return 2 if p.is_shard else 1 if p.is_partial else 0
+    # a pending reduction is not memory saved: only shards count as "keeping sharding"
+    return 1 if p.is_shard else 0
 
 
 def _product(lists):
@@ -197,7 +205,7 @@ class _Selection:
     """One selection problem: the filled columns, the per-axis options and the search over them."""
 
     def __init__(self, name: str, params: dict, in_specs: tuple[Spec, ...], out_avals: tuple, model: CostModel,
-                 consts: tuple, mesh: Mesh | None):
+                 consts: tuple, mesh: Mesh | None, frozen: tuple | None = None):
         self.name, self.params, self.in_specs, self.out_avals, self.model = name, params, in_specs, out_avals, model
         self.consts = consts
         mesh = in_specs[0].mesh if in_specs else mesh
@@ -208,7 +216,7 @@ class _Selection:
         self.active = tuple(m for m, n in enumerate(self.mesh_shape) if n > 1)
         self.rule = rule_for(name)
         kinds = sorted({p.split_factor for s in in_specs for p in s.placements if p.is_shard})
-        ckey = (name, _freeze(params), tuple((s.shape, s.dtype) for s in in_specs), _avals_key(out_avals),
+        ckey = (name, frozen if frozen is not None else _freeze(params), tuple((s.shape, s.dtype) for s in in_specs), _avals_key(out_avals),
                 consts, tuple(kinds))
         cached = _COLUMNS.get(ckey)
         if cached is None:
@@ -221,12 +229,15 @@ class _Selection:
         if self.rule is not None:
             in_avals = tuple(jax.core.ShapedArray(s.shape, s.dtype) if c is None else ConstAval(s.shape, s.dtype, c.value)
                              for s, c in zip(self.in_specs, self.consts))
+            dtypes = [a.dtype for a in self.out_avals] + [s.dtype for s in self.in_specs]
+            no_partial = [i for i, dt in enumerate(dtypes) if not _partial_ok(dt)]  # bool, PRNG keys
             for c in fill(self.rule.strategies(in_avals, self.out_avals, self.params), kinds, n_out):
                 if len(c.outs) != n_out or len(c.ins) != n_in:
                     raise ValueError(f"rule for '{self.name}' returned {c} for {n_out} outputs and {n_in} inputs")
-                dtypes = [a.dtype for a in self.out_avals] + [s.dtype for s in self.in_specs]
-                if any(p.is_partial and not _partial_ok(dt) for p, dt in zip(c.outs + c.ins, dtypes)):
-                    continue
+                if no_partial:
+                    both = c.outs + c.ins
+                    if any(both[i].is_partial for i in no_partial):
+                        continue
                 cols.append(c)
         lookup: dict = {}
         for c in cols:
@@ -286,8 +297,8 @@ class _Selection:
             kind = "all_gather" if src.is_shard else "all_reduce"
         elif dst.is_shard:
             kind = "all_to_all" if src.is_shard else "reduce_scatter"
-        else:
-            kind = "all_reduce"  # P(op) -> P(op'): reduce, then the free R -> P(op')
+        else:  # P(op) -> P(op'): reduce, then the free R -> P(op'): two changes
+            return self.model.collective("all_reduce", names, n, nbytes), 2
         return self.model.collective(kind, names, n, nbytes), 1
 
     def options(self, m: int) -> list[tuple[tuple, Column]]:

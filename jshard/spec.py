@@ -150,6 +150,14 @@ class Spec:
             )
         return cls(mesh, placements, shape, dtype)
 
+    def __hash__(self) -> int:
+        # specs key every memo table: hash once
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.mesh, self.placements, self.shape, self.dtype))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     # -- printing ---------------------------------------------------------------------------------
     def __str__(self) -> str:
         return (

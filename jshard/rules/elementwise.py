@@ -45,9 +45,11 @@ def _linear_ops(dtype) -> tuple:
 
 
 def _shards(ins, outs) -> list[tuple]:
-    rank = len(outs[0].shape)
-    return [tuple([ShardPlaceholder(d)] * len(outs)) + tuple(ShardPlaceholder(d) if a.shape else R for a in ins)
-            for d in range(rank)]
+    # an operand broadcasting along d (rank 0, or size 1 where the output is longer) stays Replicate
+    shape = outs[0].shape
+    return [tuple([ShardPlaceholder(d)] * len(outs))
+            + tuple(ShardPlaceholder(d) if a.shape and a.shape[d] == shape[d] else R for a in ins)
+            for d in range(len(shape))]
 
 
 def _at(n: int, j: int, p, rest=R) -> tuple:
@@ -178,32 +180,33 @@ def _clamp(ins, outs, params):
     return t
 
 
-def _order_preserving(src, dst) -> bool:
-    src, dst = np.dtype(src), np.dtype(dst)
-    if dst == np.bool_ or src == np.bool_ or src.kind == "c" or dst.kind == "c":
-        return False
-    if src.kind in "iu" and dst.kind in "iu":  # narrowing or sign changes wrap around
-        return np.can_cast(src, dst, casting="safe")
-    return True
+def _kind(dtype) -> str:
+    """'b', 'i' (signed or unsigned), 'f' or 'c'; bfloat16 and the float8s are 'f' (numpy says 'V')."""
+    for kind, family in (("b", jnp.bool_), ("i", jnp.integer), ("f", jnp.floating), ("c", jnp.complexfloating)):
+        if jnp.issubdtype(dtype, family):
+            return kind
+    return "?"
 
 
 def _convert(ins, outs, params):
     """Seed 000: a cast keeps a pending reduction only if it commutes with it."""
     t = _shards(ins, outs)
     src, dst = np.dtype(ins[0].dtype), np.dtype(params["new_dtype"])
-    if dst == np.bool_ or src == np.bool_:
+    ks, kd = _kind(src), _kind(dst)
+    if "b" in (ks, kd) or "?" in (ks, kd):
         return t
-    if src.kind == "c" or dst.kind == "c":
-        return t + ([(p, p) for p in LINEAR] if src.kind == dst.kind else [])
-    if src.kind == "f" and dst.kind == "f":
+    if "c" in (ks, kd):
+        return t + ([(p, p) for p in LINEAR] if ks == kd else [])
+    if ks == "f" and kd == "f":
         t += [(p, p) for p in LINEAR]
-    elif src.kind in "iu" and dst.kind == "f":
+    elif ks == "i" and kd == "f":
         t += [(LINEAR[0], LINEAR[0])]
-    elif src.kind in "iu" and dst.kind in "iu":
+    elif ks == "i" and kd == "i":
         t += [(LINEAR[0], LINEAR[0])]  # integer sums wrap the same way before or after the cast
         if np.can_cast(src, dst, casting="safe"):
             t += [(LINEAR[1], LINEAR[1])]
-    if _order_preserving(src, dst):
+    # order survives rounding and float -> int truncation; integer narrowing or sign changes wrap around
+    if ks != "i" or kd != "i" or np.can_cast(src, dst, casting="safe"):
         t += _monotone(1, 0, True)
     return t
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, ClassVar, NamedTuple
 
 from ..placements import REDUCE_OPS, Partial, Placement, Replicate, Shard, StridedShard
@@ -132,28 +133,28 @@ def registered() -> tuple[str, ...]:
     return tuple(sorted(_RULES))
 
 
-def _concrete(entry, sf: int, pos: int, even: set) -> Placement:
-    if isinstance(entry, ShardPlaceholder):
-        if entry.even:
-            even.add((pos, entry.dim))
-        return Shard(entry.dim) if sf == 1 else StridedShard(entry.dim, sf)
-    if isinstance(entry, StridedShard) and entry.split_factor == 1:
-        return Shard(entry.dim)
-    return entry
+@lru_cache(maxsize=None)
+def _shard(dim: int, sf: int) -> Placement:
+    return Shard(dim) if sf == 1 else StridedShard(dim, sf)
+
+
+_NONE: frozenset = frozenset()
 
 
 def fill(strategies: Sequence[tuple], kinds: Sequence[int], n_out: int = 1) -> list[Column]:
     """Concrete single-axis columns: each placeholder tuple once per shard kind in ``kinds`` (split factors,
     1 = Shard), concrete tuples as they are; ``n_out`` entries of each tuple are outputs."""
     cols = []
-    seen = set()
     for t in strategies:
-        has_ph = any(isinstance(e, ShardPlaceholder) for e in t)
-        for sf in kinds if has_ph else (1,):
-            even: set = set()
-            c = tuple(_concrete(e, sf, i, even) for i, e in enumerate(t))
-            key = (c, frozenset(even))
-            if key not in seen:
-                seen.add(key)
-                cols.append(Column(c[:n_out], c[n_out:], frozenset(even)))
+        holes = [i for i, e in enumerate(t) if type(e) is ShardPlaceholder]
+        if not holes:
+            t = tuple(_shard(e.dim, 1) if type(e) is StridedShard and e.split_factor == 1 else e for e in t)
+            cols.append(Column(t[:n_out], t[n_out:], _NONE))
+            continue
+        even = frozenset((i, t[i].dim) for i in holes if t[i].even) or _NONE
+        for sf in kinds:
+            c = list(t)
+            for i in holes:
+                c[i] = _shard(t[i].dim, sf)
+            cols.append(Column(tuple(c[:n_out]), tuple(c[n_out:]), even))
     return cols

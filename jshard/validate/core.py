@@ -11,8 +11,10 @@ placement is tested against the truth:
 - **incorrect**: the rules offer it and it does not hold on some sample (a wrong number in waiting);
 - **missing**: the rules do not offer it, and it held on every sample where it was tried.
 
-Each sample is also run negated, and Partial parts are drawn twice, so coincidences rarely pass as
+Each sample is also run negated and float Partial parts carry fractions, so coincidences rarely pass as
 missing rules. Combinations whose inputs are all Replicate are the infrastructure's, not the rule's.
+Where the truth is inf or NaN any inf or NaN counts as equal (IEEE ``inf - inf`` appears once a sum is
+split into parts); everywhere else floats are compared within a dtype tolerance.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from ..lowering import local_equation
 from ..propagate import _freeze, offered
 from ..rules.registry import registered, rule_for
 from ..spec import Spec
-from . import samples as _samples
 
 __all__ = ["Sample", "Report", "collect", "validate"]
 
@@ -98,15 +99,28 @@ def _walk(jaxpr: jc.Jaxpr, consts, args, out: list, source: str):
         env.update((v, r) for v, r in zip(eqn.outvars, res) if not isinstance(v, jc.DropVar))
 
 
+def _names(jaxpr: jc.Jaxpr) -> set[str]:
+    out = set()
+    for eqn in jaxpr.eqns:
+        out.add(eqn.primitive.name)
+        for sub in jc.jaxprs_in_params(eqn.params):
+            out |= _names(sub)
+    return out
+
+
 def collect(names: Iterable[str] | None = None, per_signature: int = 2) -> dict[str, list[Sample]]:
     """Samples per primitive name, from every program of ``jshard.validate.samples``; at most
     ``per_signature`` samples with the same shapes, dtypes, literals and params."""
+    from . import samples as _samples  # building sample arrays starts JAX's backends: not at import time
+
     wanted = None if names is None else set(names)
     found: dict[str, list[Sample]] = {}
     counts: dict = {}
     for module in _samples.MODULES:
         for fn, args in module.PROGRAMS:
             closed = jax.make_jaxpr(fn)(*args)
+            if wanted is not None and not wanted & _names(closed.jaxpr):
+                continue
             got: list[Sample] = []
             _walk(closed.jaxpr, closed.consts, list(args), got, module.__name__.rsplit(".", 1)[-1])
             for s in got:
@@ -154,24 +168,33 @@ def _garbage(dtype):
 
 
 def _parts(value: np.ndarray, p: Placement, n: int, rng) -> list[np.ndarray]:
+    """Unequal per-device parts reducing to ``value`` under ``p``. Float parts carry arbitrary fractions
+    (floor, rounding, ... of parts do not add up by accident) and losers of max/min are sometimes -inf/inf
+    (a map that is not order-preserving at infinity shows)."""
     if not p.is_partial:
         return [value] * n
     dt = value.dtype
     if p.op in ("sum", "avg"):
-        d = rng.integers(-4, 5, size=(n - 1,) + value.shape).astype(dt)
-        if p.op == "sum":
-            return [value - d.sum(0).astype(dt)] + list(d)
-        return [value - d.sum(0).astype(dt)] + [value + x for x in d]
+        d = rng.integers(-4, 5, size=(n - 1,) + value.shape)
+        if dt.kind == "f":
+            d = d + rng.random(d.shape)
+        d = d.astype(dt)
+        total = value if p.op == "sum" else (value * n).astype(dt)
+        return [(total - d.sum(0)).astype(dt)] + list(d)
     winner = rng.integers(0, n, size=value.shape)
     step = rng.integers(1, 4, size=(n,) + value.shape).astype(dt)
-    if dt.kind == "f":
-        step = step / 2
     sign = -1 if p.op == "max" else 1
+    if dt.kind == "f":
+        step = step * rng.random(step.shape).astype(dt) + np.where(rng.random(step.shape) < 0.2, np.inf, 0).astype(dt)
     return [np.where(winner == c, value, value + sign * step[c]).astype(dt) for c in range(n)]
 
 
 def _blocks(value: np.ndarray, spec: Spec, rng) -> np.ndarray:
     """Stacked padded blocks ``(n, *local_block_shape)`` holding ``value`` under ``spec`` (1-D mesh)."""
+    if _is_key(value):  # a key array: lay out its key data (trailing dim unsharded), then wrap it back
+        data = np.asarray(jax.random.key_data(value))
+        data_spec = Spec(spec.mesh, spec.placements, spec.shape + data.shape[-1:], data.dtype)
+        return jax.random.wrap_key_data(_blocks(data, data_spec, rng), impl=jax.random.key_impl(value))
     n = spec.mesh_shape[0]
     parts = _parts(value, spec.placements[0], n, rng)
     out = np.full((n,) + spec.local_block_shape, _garbage(value.dtype), dtype=value.dtype)
@@ -189,13 +212,19 @@ def _tolerance(dtype) -> dict:
     return dict(rtol=0, atol=0)
 
 
-def _close(a: np.ndarray, b: np.ndarray) -> bool:
-    if a.shape != b.shape:
+def _close(got: np.ndarray, truth: np.ndarray) -> bool:
+    """Equal (floats within a dtype tolerance). Where the truth is inf or NaN any inf or NaN is
+    accepted: IEEE division by zero or inf - inf differs once a sum is split into parts."""
+    if got.shape != truth.shape:
         return False
-    if a.dtype.kind in "fc" or b.dtype.kind in "fc":
-        a32, b32 = a.astype(np.complex128 if a.dtype.kind == "c" else np.float64), b.astype(np.float64 if b.dtype.kind != "c" else np.complex128)
-        return bool(np.allclose(a32, b32, equal_nan=True, **_tolerance(b.dtype)))
-    return bool(np.array_equal(a, b))
+    if got.dtype.kind in "fc" or truth.dtype.kind in "fc":
+        wide = np.complex128 if "c" in (got.dtype.kind, truth.dtype.kind) else np.float64
+        g, t = got.astype(wide), truth.astype(wide)
+        bad = ~np.isfinite(t)
+        if not np.all(~np.isfinite(g[bad])):
+            return False
+        return bool(np.allclose(g[~bad], t[~bad], **_tolerance(truth.dtype)))
+    return bool(np.array_equal(got, truth))
 
 
 def _holds(local: np.ndarray, spec: Spec, truth: np.ndarray) -> bool:
@@ -242,6 +271,7 @@ def validate(name: str, samples: Sequence[Sample], *, sizes: Sequence[int] = (2,
              seed: int = 0) -> Report:
     """Validate the rule of primitive ``name`` on ``samples`` (see the module docstring)."""
     t0 = time.perf_counter()
+    jax.config.update("jax_traceback_filtering", "off")  # failing local functions are expected; filtering is slow
     report = Report(name)
     rng = np.random.default_rng(seed)
     status: dict = {}  # key -> dict(offered_fail, offered_ok, free_held, free_failed)
@@ -265,12 +295,12 @@ def validate(name: str, samples: Sequence[Sample], *, sizes: Sequence[int] = (2,
     for key, st in status.items():
         if st["offered_fail"]:
             report.incorrect += 1
-            report.incorrect_cases.append((key, st["repro"]))
+            report.incorrect_cases.append((key, st["fail_repro"]))
         elif st["offered_ok"]:
             report.correct += 1
         elif st["free_held"] and not st["free_failed"]:
             report.missing += 1
-            report.missing_cases.append((key, st["repro"]))
+            report.missing_cases.append((key, st["held_repro"]))
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -294,9 +324,11 @@ def _check_combo(sample: Sample, variants, mesh: Mesh, combo, rng, status: dict,
     rule = rule_for(sample.prim)
     custom = rule is not None and rule.local is not None  # may depend on the output placements
     for values in variants:
-        truths = sample.truth(values)
+        out = sample.prim.bind(*values, **sample.prim.get_bind_params(sample.params))  # keys: compare their data
+        truths = [np.asarray(jax.random.key_data(o) if _is_key(o) else o)
+                  for o in (out if sample.prim.multiple_results else [out])]
         for _draw in range(1):
-            stacked = [v if _is_key(v) else _blocks(np.asarray(v), s, rng) for v, s in zip(values, in_specs)]
+            stacked = [_blocks(v if _is_key(v) else np.asarray(v), s, rng) for v, s in zip(values, in_specs)]
             default = None
             for outs in out_tuples:
                 out_specs = tuple(Spec(mesh, (p,), tuple(a.shape), a.dtype) for a, p in zip(sample.out_avals, outs))
@@ -307,27 +339,30 @@ def _check_combo(sample: Sample, variants, mesh: Mesh, combo, rng, status: dict,
                         got = _run(fn, stacked, n)
                     else:
                         if default is None:  # the same on every device: no need for axis names
-                            per = [fn(*[b if _is_key(b) else b[c] for b in stacked]) for c in range(n)]
-                            default = [np.stack([np.asarray(p[j]) for p in per]) for j in range(len(per[0]))]
+                            per = [fn(*[b[c] for b in stacked]) for c in range(n)]
+                            default = [np.stack([np.asarray(jax.random.key_data(p[j]) if _is_key(p[j]) else p[j])
+                                                 for p in per]) for j in range(len(per[0]))]
                         got = default
-                    ok = all(_holds(g, s, t) for g, s, t in zip(got, out_specs, truths))
+                    data_specs = [Spec(mesh, s.placements, s.shape + t.shape[len(s.shape):], t.dtype) for s, t in
+                                  zip(out_specs, truths)]  # a key output is checked through its key data
+                    ok = all(_holds(g, s, t) for g, s, t in zip(got, data_specs, truths))
                 except Exception as e:  # noqa: BLE001 - a failing local function means the placement does not hold
                     ok, got = False, repr(e)
                 key = _key(combo, outs)
                 st = status.setdefault(key, dict(offered_fail=False, offered_ok=False, free_held=False,
-                                                 free_failed=False, repro=None))
+                                                 free_failed=False, fail_repro=None, held_repro=None))
                 if is_offered:
                     if ok:
                         st["offered_ok"] = True
-                    else:
+                    elif not st["offered_fail"]:
                         st["offered_fail"] = True
-                        st["repro"] = st["repro"] or _repro(sample, values, in_specs, out_specs, stacked, got, truths)
-                else:
-                    if ok:
+                        st["fail_repro"] = _repro(sample, values, in_specs, out_specs, stacked, got, truths)
+                elif ok:
+                    if not st["free_held"]:
                         st["free_held"] = True
-                        st["repro"] = st["repro"] or _repro(sample, values, in_specs, out_specs, stacked, got, truths)
-                    else:
-                        st["free_failed"] = True
+                        st["held_repro"] = _repro(sample, values, in_specs, out_specs, stacked, got, truths)
+                else:
+                    st["free_failed"] = True
 
 
 def _repro(sample, values, in_specs, out_specs, stacked, got, truths) -> str:

@@ -24,7 +24,8 @@ _INT_BINARY = [lax.add, lax.sub, lax.mul, lax.div, lax.rem, lax.max, lax.min, la
 PROGRAMS = []
 for s in _SHAPES:
     x, y, p = arr(s), arr(s, salt=1), arr(s, positive=True)
-    PROGRAMS += [(f, (x,)) for f in _UNARY] + [(f, (p,)) for f in _POSITIVE + [lax.log, lax.sqrt]]
+    PROGRAMS += [(f, (x,)) for f in _UNARY]
+    PROGRAMS += [(lax.is_finite, (np.where(x > 3, np.inf, np.where(x < -4, np.nan, x)).astype(np.float32),))] + [(f, (p,)) for f in _POSITIVE + [lax.log, lax.sqrt]]
     PROGRAMS += [(f, (x, y)) for f in _BINARY]
     PROGRAMS += [(lambda a, b: a + b, (x, np.float32(2.5))), (lambda a: a * 2.0, (x,)), (lambda a: a * -3.0, (x,)),
                  (lambda a: a / 4.0, (x,)), (lambda a: a - 1.5, (x,)), (lambda a: 1.5 - a, (x,)),
