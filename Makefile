@@ -20,6 +20,7 @@ test-all: $(VENV)/.installed
 	$(PY) -m pytest -q -m "" tests
 
 bench: $(VENV)/.installed
+	$(PY) benchmarks/propagation.py
 	$(PY) benchmarks/redistribute.py
 
 clean:

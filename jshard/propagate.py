@@ -26,6 +26,7 @@ outputs that keep more sharding. Results are memoised per (primitive, params, in
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -180,11 +181,12 @@ def _even(length: int, mesh_shape: tuple[int, ...], chain: tuple) -> bool:
     return bool((dim_layout(length, mesh_shape, chain) >= 0).all())
 
 
-def _partial_ok(dtype) -> bool:
+def _partial_ok(dtype, op: str) -> bool:
     try:
-        return np.dtype(dtype) != np.bool_
+        dtype = np.dtype(dtype)
     except TypeError:  # extended dtypes (PRNG keys) are never pending reductions
         return False
+    return dtype != np.bool_ and not (dtype.kind == "c" and op in ("max", "min"))  # complex numbers have no order
 
 
 def _score(p: Placement) -> int:
@@ -230,18 +232,26 @@ class _Selection:
             in_avals = tuple(jax.core.ShapedArray(s.shape, s.dtype) if c is None else ConstAval(s.shape, s.dtype, c.value)
                              for s, c in zip(self.in_specs, self.consts))
             dtypes = [a.dtype for a in self.out_avals] + [s.dtype for s in self.in_specs]
-            no_partial = [i for i, dt in enumerate(dtypes) if not _partial_ok(dt)]  # bool, PRNG keys
+            # bool, PRNG keys (no Partial at all), complex (no max/min)
+            limited = [(i, dt) for i, dt in enumerate(dtypes) if not _partial_ok(dt, "max")]
             for c in fill(self.rule.strategies(in_avals, self.out_avals, self.params), kinds, n_out):
                 if len(c.outs) != n_out or len(c.ins) != n_in:
                     raise ValueError(f"rule for '{self.name}' returned {c} for {n_out} outputs and {n_in} inputs")
-                if no_partial:
+                if limited:
                     both = c.outs + c.ins
-                    if any(both[i].is_partial for i in no_partial):
+                    if any(both[i].is_partial and not _partial_ok(dt, both[i].op) for i, dt in limited):
                         continue
                 cols.append(c)
         lookup: dict = {}
         for c in cols:
             lookup.setdefault(c.ins, []).append(c)
+            # a Replicate block already is a P(avg|max|min) block (every device holds the value): a column
+            # taking those Partials also takes Replicate there, with nothing to convert
+            loose = [i for i, p in enumerate(c.ins) if p.is_partial and p.op != "sum"]
+            for k in range(1, len(loose) + 1):
+                for subset in itertools.combinations(loose, k):
+                    ins = tuple(_R if i in subset else p for i, p in enumerate(c.ins))
+                    lookup.setdefault(ins, []).append(Column(c.outs, ins, c.even))
         for v in lookup.values():
             v.sort(key=lambda c: -sum(map(_score, c.outs)))
         return cols, lookup

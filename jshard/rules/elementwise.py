@@ -13,6 +13,8 @@ stay Replicate). Which pending reductions survive is the function's algebra, wri
 - ``max(P(max), P(max))`` and ``min(P(min), P(min))`` stay pending (the reduction itself).
 
 ``P(avg)`` is linear only for inexact dtypes: integer averages round, and rounding does not commute.
+Integer arithmetic wraps as in JAX: sums stay exact modulo 2**bits; order claims (``x * 2`` keeps
+``P(max)``) assume the values do not overflow, as JAX's own integer arithmetic does.
 
 >>> import jax.numpy as jnp; from jax.core import ShapedArray
 >>> f = ShapedArray((4, 6), jnp.float32)
@@ -32,6 +34,10 @@ __all__: list[str] = []
 
 _MAX, _MIN = ORDER
 _SWAP = {_MAX: _MIN, _MIN: _MAX}
+
+
+def _kind_unsigned(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.unsignedinteger)
 
 
 def _inexact(dtype) -> bool:
@@ -90,8 +96,7 @@ _PLAIN = {  # no Partial survives
     "is_finite", "population_count", "clz", "bessel_i0e", "bessel_i1e",
 }
 _BINARY_PLAIN = {
-    "pow", "atan2", "rem", "and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge", "shift_right_logical",
-    "shift_right_arithmetic", "igamma", "igammac", "igamma_grad_a", "polygamma", "zeta",
+    "pow", "atan2", "rem", "and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge", "igamma", "igammac", "igamma_grad_a", "polygamma", "zeta",
     "random_gamma_grad", "regularized_incomplete_beta", "eq_to", "le_to", "lt_to",
 }
 
@@ -150,7 +155,9 @@ def _binary(name):
             if s and _inexact(dtype):
                 t += _monotone(2, 0, s > 0)
         elif name == "shift_left":  # x << k = x * 2**k, wrapping like integer sums do
-            t += [(LINEAR[0], LINEAR[0], R)]
+            t += [(LINEAR[0], LINEAR[0], R)] + _monotone(2, 0, True)
+        elif name == "shift_right_arithmetic" or (name == "shift_right_logical" and _kind_unsigned(dtype)):
+            t += _monotone(2, 0, True)  # floor(x / 2**k); a logical shift only orders unsigned values
         elif name in ("max", "min"):
             own = _MAX if name == "max" else _MIN
             t += [(own, own, own)] + _monotone(2, 0, True) + _monotone(2, 1, True)
@@ -173,11 +180,12 @@ def _select_n(ins, outs, params):
 
 
 def _clamp(ins, outs, params):
-    # clamp(lo, x, hi) is non-decreasing in each operand
+    # clamp(lo, x, hi) = min(max(x, lo), hi) is non-decreasing in each operand, and a max (min) over
+    # devices passes through the max (min) inside it
     t = _shards(ins, outs)
     for j in range(3):
         t += _monotone(3, j, True)
-    return t
+    return t + [(_MAX, _MAX, _MAX, R), (_MIN, R, _MIN, _MIN), (_MIN, _MIN, R, _MIN)]
 
 
 def _kind(dtype) -> str:
@@ -199,11 +207,16 @@ def _convert(ins, outs, params):
         return t + ([(p, p) for p in LINEAR] if ks == kd else [])
     if ks == "f" and kd == "f":
         t += [(p, p) for p in LINEAR]
-    elif ks == "i" and kd == "f":
+    elif ks == "i" and kd == "f" and src.itemsize >= 4:
+        # parts of a narrow integer sum wrap around (250 + 12 is 6 in uint8, 262 as floats); 32-bit parts
+        # wrap only where the integer sum itself overflows
         t += [(LINEAR[0], LINEAR[0])]
     elif ks == "i" and kd == "i":
-        t += [(LINEAR[0], LINEAR[0])]  # integer sums wrap the same way before or after the cast
-        if np.can_cast(src, dst, casting="safe"):
+        # a sum agrees modulo 2**bits of a target no wider than the source; widening a narrow sum would
+        # undo the wrap-around of its parts
+        if dst.itemsize <= src.itemsize or src.itemsize >= 4:
+            t += [(LINEAR[0], LINEAR[0])]
+        if np.can_cast(src, dst, casting="safe") and src.itemsize >= 4:
             t += [(LINEAR[1], LINEAR[1])]
     # order survives rounding and float -> int truncation; integer narrowing or sign changes wrap around
     if ks != "i" or kd != "i" or np.can_cast(src, dst, casting="safe"):
@@ -219,7 +232,8 @@ def _bitcast(ins, outs, params):
 
 _UNARY = _INCREASING | _INCREASING_UPWARD | _DECREASING | _IDENTITY | _PLAIN | {
     "neg", "not", "rsqrt", "integer_pow", "real", "imag", "conj"}
-_BINARY = _BINARY_PLAIN | {"add", "add_any", "sub", "mul", "div", "shift_left", "max", "min", "nextafter", "complex"}
+_BINARY = _BINARY_PLAIN | {"add", "add_any", "sub", "mul", "div", "shift_left", "shift_right_arithmetic",
+                           "shift_right_logical", "max", "min", "nextafter", "complex"}
 
 _TABLE = {n: _unary(n) for n in _UNARY} | {n: _binary(n) for n in _BINARY}
 _TABLE.update(select_n=_select_n, clamp=_clamp, convert_element_type=_convert, bitcast_convert_type=_bitcast)

@@ -154,13 +154,21 @@ def _placements(rank: int, dtype, literal: bool) -> list[Placement]:
         return [Replicate()]
     out = [Replicate()] + [Shard(d) for d in range(rank)]
     if _numeric(dtype):
-        out += [Partial(op) for op in REDUCE_OPS]
+        out += [Partial(op) for op in REDUCE_OPS if _k(dtype) != "c" or op in ("sum", "avg")]
     return out
+
+
+def _k(dtype) -> str:
+    """numpy's kind letter, except that bfloat16 and the float8s (numpy: 'V') are 'f'."""
+    dtype = np.dtype(dtype)
+    if dtype.kind == "V" and jnp.issubdtype(dtype, jnp.floating):
+        return "f"
+    return dtype.kind
 
 
 def _garbage(dtype):
     dtype = np.dtype(dtype)
-    if dtype.kind in "fc":
+    if _k(dtype) in "fc":
         return np.nan
     if dtype == np.bool_:
         return True
@@ -176,17 +184,23 @@ def _parts(value: np.ndarray, p: Placement, n: int, rng) -> list[np.ndarray]:
     dt = value.dtype
     if p.op in ("sum", "avg"):
         d = rng.integers(-4, 5, size=(n - 1,) + value.shape)
-        if dt.kind == "f":
+        if _k(dt) == "f":
             d = d + rng.random(d.shape)
         d = d.astype(dt)
         total = value if p.op == "sum" else (value * n).astype(dt)
+        if p.op == "avg" and _k(dt) in "iu":  # an integer mean rounds down: parts need not divide evenly
+            total = (total + rng.integers(0, n, size=value.shape)).astype(dt)
         return [(total - d.sum(0)).astype(dt)] + list(d)
     winner = rng.integers(0, n, size=value.shape)
-    step = rng.integers(1, 4, size=(n,) + value.shape).astype(dt)
     sign = -1 if p.op == "max" else 1
-    if dt.kind == "f":
-        step = step * rng.random(step.shape).astype(dt) + np.where(rng.random(step.shape) < 0.2, np.inf, 0).astype(dt)
-    return [np.where(winner == c, value, value + sign * step[c]).astype(dt) for c in range(n)]
+    step = rng.integers(1, 4, size=(n,) + value.shape)
+    if _k(dt) == "f":
+        step = step * rng.random(step.shape) + np.where(rng.random(step.shape) < 0.2, np.inf, 0)
+        losers = value.astype(np.float64) + sign * step
+    else:  # integers: stay in range (a loser may tie the winner at the dtype's bound)
+        info = np.iinfo(dt)
+        losers = np.clip(value.astype(np.int64) + sign * step, info.min, info.max)
+    return [np.where(winner == c, value, losers[c].astype(dt)) for c in range(n)]
 
 
 def _blocks(value: np.ndarray, spec: Spec, rng) -> np.ndarray:
@@ -207,23 +221,25 @@ def _blocks(value: np.ndarray, spec: Spec, rng) -> np.ndarray:
 
 def _tolerance(dtype) -> dict:
     dt = np.dtype(dtype)
-    if dt.kind in "fc":
+    if _k(dt) in "fc":
         return dict(rtol=2e-2, atol=2e-2) if dt.itemsize <= 2 else dict(rtol=1e-4, atol=1e-4)
     return dict(rtol=0, atol=0)
 
 
-def _close(got: np.ndarray, truth: np.ndarray) -> bool:
+def _close(got: np.ndarray, truth: np.ndarray, scale: float = 1.0) -> bool:
     """Equal (floats within a dtype tolerance). Where the truth is inf or NaN any inf or NaN is
     accepted: IEEE division by zero or inf - inf differs once a sum is split into parts."""
     if got.shape != truth.shape:
         return False
-    if got.dtype.kind in "fc" or truth.dtype.kind in "fc":
-        wide = np.complex128 if "c" in (got.dtype.kind, truth.dtype.kind) else np.float64
+    if _k(got.dtype) in "fc" or _k(truth.dtype) in "fc":
+        wide = np.complex128 if "c" in (_k(got.dtype), _k(truth.dtype)) else np.float64
         g, t = got.astype(wide), truth.astype(wide)
         bad = ~np.isfinite(t)
         if not np.all(~np.isfinite(g[bad])):
             return False
-        return bool(np.allclose(g[~bad], t[~bad], **_tolerance(truth.dtype)))
+        tol = _tolerance(truth.dtype)
+        tol["atol"] *= scale  # a sum of rounded parts errs relative to the parts, not to the sum
+        return bool(np.allclose(g[~bad], t[~bad], **tol))
     return bool(np.array_equal(got, truth))
 
 
@@ -238,14 +254,18 @@ def _holds(local: np.ndarray, spec: Spec, truth: np.ndarray) -> bool:
         idx = spec.global_indices((c,))
         views.append(local[(c,) + tuple(slice(0, len(i)) for i in idx)])
     if p.is_partial:
-        stack = np.stack(views).astype(np.float64 if truth.dtype.kind == "f" else truth.dtype)
+        wide = {"f": np.float64, "c": np.complex128}.get(_k(truth.dtype), truth.dtype)
+        stack = np.stack(views).astype(wide)
         if p.op == "sum":
             red = stack.sum(0)
         elif p.op == "avg":
-            red = stack.sum(0) / n if truth.dtype.kind in "fc" else stack.sum(0) // n
+            red = stack.sum(0) / n if _k(truth.dtype) in "fc" else stack.sum(0) // n
         else:
             red = stack.max(0) if p.op == "max" else stack.min(0)
-        return _close(np.asarray(red).astype(truth.dtype) if truth.dtype.kind not in "fc" else np.asarray(red), truth)
+        finite = np.abs(stack[np.isfinite(stack)]) if _k(truth.dtype) in "fc" else np.zeros(0)
+        scale = max(1.0, float(finite.max())) if finite.size else 1.0
+        return _close(np.asarray(red).astype(truth.dtype) if _k(truth.dtype) not in "fc" else np.asarray(red), truth,
+                      scale)
     for c in range(n):
         idx = spec.global_indices((c,))
         want = truth[np.ix_(*idx)] if idx else truth
@@ -277,9 +297,9 @@ def validate(name: str, samples: Sequence[Sample], *, sizes: Sequence[int] = (2,
     status: dict = {}  # key -> dict(offered_fail, offered_ok, free_held, free_failed)
     for sample in samples:
         variants = [sample.values]
-        if all(_is_key(v) or lit or np.asarray(v).dtype.kind in "fi" for v, lit in zip(sample.values, sample.literal)):
+        if all(_is_key(v) or lit or _k(np.asarray(v).dtype) in "fi" for v, lit in zip(sample.values, sample.literal)):
             # negated (literals are constants the rules may have looked at: they stay)
-            variants.append([v if _is_key(v) or lit or np.asarray(v).dtype.kind not in "fi"
+            variants.append([v if _is_key(v) or lit or _k(np.asarray(v).dtype) not in "fi"
                              else (-np.asarray(v)).astype(np.asarray(v).dtype)
                              for v, lit in zip(sample.values, sample.literal)])
         for n in sizes:

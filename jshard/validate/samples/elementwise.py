@@ -36,7 +36,8 @@ for s in _SHAPES:
     b, c = arr(s, "bool"), arr(s, "bool", salt=3)
     PROGRAMS += [(f, (b, c)) for f in (lax.bitwise_and, lax.bitwise_or, lax.bitwise_xor)] + [(lax.bitwise_not, (b,))]
     PROGRAMS += [(lambda q, a, bb: lax.select_n(q, a, bb), (b, x, y)),
-                 (lambda q, a, bb, cc: lax.select_n(q, a, bb, cc), (arr(s, "int32", positive=True, hi=2) - 1, x, y, p)),
+                 (lambda q, a, bb, cc: lax.select_n(q, a, bb, cc), (arr(s[:1], "int32", positive=True, hi=3) - 1,
+                                                                    x[:, 0], y[:, 0], p[:, 0])),
                  (lambda lo, a, hi: lax.clamp(lo, a, hi), (np.float32(-2.0), x, np.float32(3.0))),
                  (lambda lo, a, hi: lax.clamp(lo, a, hi), (y - 2.0, x, y + 2.0)),
                  (lambda a, bb: lax.complex(a, bb), (x, y)),
