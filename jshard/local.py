@@ -2,12 +2,15 @@
 
 Block storage pads every local block to the largest local shape and the placements decide which global
 indices a device holds; these helpers turn a spec's static layout tables into values a per-device
-function can use: the global index of every position of its block along a dim (``-1`` on padding), and
-the mask of its real (non-padding) positions. Only the mesh axes a table varies along are read with
+function can use: the global index of every position of its block along a dim (``-1`` on padding), the
+mask of its real (non-padding) positions, and the block with its padding overwritten (by the identity of
+a reduction before reading across a dim). Only the mesh axes a table varies along are read with
 ``lax.axis_index``; a table equal on all devices is a constant.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +18,7 @@ from jax import lax
 
 from .spec import Spec
 
-__all__ = ["PerDevice", "global_index", "reduce_identity", "valid_mask"]
+__all__ = ["PerDevice", "fill_padding", "global_index", "reduce_identity", "valid_mask"]
 
 
 class PerDevice:
@@ -57,3 +60,15 @@ def reduce_identity(op: str, dtype) -> np.generic:
         return dtype.type(-np.inf if op == "max" else np.inf)
     info = jnp.iinfo(dtype)
     return dtype.type(info.min if op == "max" else info.max)
+
+
+def fill_padding(x, spec: Spec, dims: Sequence[int], value):
+    """``x`` (this device's block of ``spec``) with its padding along ``dims`` set to ``value``.
+
+    Call it inside ``shard_map`` (or a named ``vmap``). Dims without padding on any device cost nothing.
+    """
+    for d in dims:
+        if (spec.layouts[d] < 0).any():
+            keep = lax.broadcast_in_dim(valid_mask(spec, d), x.shape, (d,))
+            x = jnp.where(keep, x, jnp.asarray(value, x.dtype))
+    return x

@@ -38,9 +38,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from .cost import CostModel
-from .placements import Partial, Placement, Replicate, Shard
+from .placements import Placement, Replicate
 from .planner import DEFAULT_COST_MODEL
-from .rules import registry
 from .rules.registry import Column, Rule, fill, rule_for
 from .spec import Spec, dim_layout
 

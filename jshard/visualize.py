@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .spec import Spec, format_mesh
+from .spec import Spec
 
 __all__ = ["visualize"]
 

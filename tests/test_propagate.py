@@ -1,7 +1,6 @@
 """Strategy selection: the search finds the cheapest valid strategy, and running it gives the
 single-device result (inputs built from unequal parts, checked device by device)."""
 
-import itertools
 import warnings
 
 import jax

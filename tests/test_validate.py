@@ -14,6 +14,8 @@ from jshard.validate.__main__ import main
 
 # the core set must have no missing rules (the validator's "missing" = valid on every sample, not offered)
 CORE_FAMILIES = ("elementwise", "reductions", "contractions", "shapes")
+# sample artifacts, not gaps: within a float tolerance nextafter(x, y) is x, so it "keeps" what x would
+KNOWN_MISSING = {"nextafter"}
 
 _SAMPLES = collect()
 _PRIMS = sorted(set(registered()) & set(_SAMPLES))
@@ -43,7 +45,7 @@ def test_rule_slice(name):
         r = validate(name, _SAMPLES[name][:4], sizes=(2, 3), max_combos=10, seed=0)
     assert r.incorrect == 0, "\n\n".join(repro for _, repro in r.incorrect_cases[:2])
     assert not r.errors, r.errors[:3]
-    if _family(name) in CORE_FAMILIES:
+    if _family(name) in CORE_FAMILIES and name not in KNOWN_MISSING:
         assert r.missing == 0, [k for k, _ in r.missing_cases]
 
 
@@ -75,5 +77,5 @@ def test_rule_full(name):
         warnings.simplefilter("ignore")
         r = validate(name, _SAMPLES[name], sizes=(2, 3, 4))
     assert r.incorrect == 0, "\n\n".join(repro for _, repro in r.incorrect_cases[:2])
-    if _family(name) in CORE_FAMILIES:
+    if _family(name) in CORE_FAMILIES and name not in KNOWN_MISSING:
         assert r.missing == 0, [k for k, _ in r.missing_cases]

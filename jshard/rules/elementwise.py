@@ -27,7 +27,6 @@ from __future__ import annotations
 import numpy as np
 import jax.numpy as jnp
 
-from ..placements import Partial
 from .registry import LINEAR, ORDER, R, ShardPlaceholder, register
 
 __all__: list[str] = []

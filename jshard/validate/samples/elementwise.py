@@ -1,5 +1,6 @@
 """Elementwise programs: every unary / binary / n-ary lax primitive, with Replicate scalars mixed in."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -27,6 +28,8 @@ for s in _SHAPES:
     PROGRAMS += [(f, (x,)) for f in _UNARY]
     PROGRAMS += [(lax.is_finite, (np.where(x > 3, np.inf, np.where(x < -4, np.nan, x)).astype(np.float32),))] + [(f, (p,)) for f in _POSITIVE + [lax.log, lax.sqrt]]
     PROGRAMS += [(f, (x, y)) for f in _BINARY]
+    # add_any: autodiff summing the cotangents of an input used twice
+    PROGRAMS += [(lambda a: jax.grad(lambda z: jnp.sum(jnp.sin(z)) + jnp.sum(z * a))(a), (x,))]
     PROGRAMS += [(lambda a, b: a + b, (x, np.float32(2.5))), (lambda a: a * 2.0, (x,)), (lambda a: a * -3.0, (x,)),
                  (lambda a: a / 4.0, (x,)), (lambda a: a - 1.5, (x,)), (lambda a: 1.5 - a, (x,)),
                  (lambda a, b: lax.pow(a, b), (p, y))]
