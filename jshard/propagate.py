@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-import jax
 import numpy as np
 from jax.sharding import Mesh
 
@@ -43,7 +42,7 @@ from .planner import DEFAULT_COST_MODEL
 from .rules.registry import Column, Rule, fill, rule_for
 from .spec import Spec, dim_layout
 
-__all__ = ["Choice", "ConstAval", "select", "offered", "clear_caches"]
+__all__ = ["Aval", "Choice", "select", "offered", "clear_caches"]
 
 _R = Replicate()
 
@@ -76,11 +75,11 @@ def select(prim: Any, params: dict, in_specs: Sequence[Spec], out_avals: Sequenc
     model = cost_model or DEFAULT_COST_MODEL
     name = prim if isinstance(prim, str) else prim.name
     consts = _consts_key(consts, len(in_specs))
-    frozen = _freeze(params)
-    key = (name, frozen, tuple(in_specs), _avals_key(out_avals), consts, mesh, model)
+    frozen, outs_key = _freeze(params), _avals_key(out_avals)
+    key = (name, frozen, tuple(in_specs), outs_key, consts, mesh, model)
     hit = _SELECTED.get(key)
     if hit is None:
-        sel = _Selection(name, params, tuple(in_specs), tuple(out_avals), model, consts, mesh, frozen)
+        sel = _Selection(name, params, tuple(in_specs), tuple(out_avals), model, consts, mesh, (frozen, outs_key))
         hit = _SELECTED[key] = sel.run()
     return hit
 
@@ -162,13 +161,21 @@ class _Const:
         return isinstance(other, _Const) and self._key == other._key
 
 
-class ConstAval:
-    """The aval a rule sees for a known constant input: ``.shape``, ``.dtype`` and ``.value``."""
+class Aval:
+    """What a rule sees of an input: ``.shape``, ``.dtype``, ``.ndim`` and ``.value`` (the value of a known
+    constant, else None)."""
 
     __slots__ = ("shape", "dtype", "value")
 
-    def __init__(self, shape, dtype, value):
+    def __init__(self, shape, dtype, value=None):
         self.shape, self.dtype, self.value = shape, dtype, value
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __repr__(self) -> str:
+        return f"Aval({self.shape}, {self.dtype}{'' if self.value is None else ', const'})"
 
 
 def _avals_key(avals) -> tuple:
@@ -206,7 +213,7 @@ class _Selection:
     """One selection problem: the filled columns, the per-axis options and the search over them."""
 
     def __init__(self, name: str, params: dict, in_specs: tuple[Spec, ...], out_avals: tuple, model: CostModel,
-                 consts: tuple, mesh: Mesh | None, frozen: tuple | None = None):
+                 consts: tuple, mesh: Mesh | None, keys: tuple | None = None):
         self.name, self.params, self.in_specs, self.out_avals, self.model = name, params, in_specs, out_avals, model
         self.consts = consts
         mesh = in_specs[0].mesh if in_specs else mesh
@@ -217,8 +224,8 @@ class _Selection:
         self.active = tuple(m for m, n in enumerate(self.mesh_shape) if n > 1)
         self.rule = rule_for(name)
         kinds = sorted({p.split_factor for s in in_specs for p in s.placements if p.is_shard})
-        ckey = (name, frozen if frozen is not None else _freeze(params), tuple((s.shape, s.dtype) for s in in_specs), _avals_key(out_avals),
-                consts, tuple(kinds))
+        frozen, outs_key = keys if keys is not None else (_freeze(params), _avals_key(out_avals))
+        ckey = (name, frozen, tuple((s.shape, s.dtype) for s in in_specs), outs_key, consts, tuple(kinds))
         cached = _COLUMNS.get(ckey)
         if cached is None:
             cached = _COLUMNS[ckey] = self._columns(kinds)
@@ -228,7 +235,7 @@ class _Selection:
         n_in, n_out = len(self.in_specs), len(self.out_avals)
         cols = [Column((_R,) * n_out, (_R,) * n_in, frozenset())]
         if self.rule is not None:
-            in_avals = tuple(jax.core.ShapedArray(s.shape, s.dtype) if c is None else ConstAval(s.shape, s.dtype, c.value)
+            in_avals = tuple(Aval(s.shape, s.dtype, None if c is None else c.value)
                              for s, c in zip(self.in_specs, self.consts))
             dtypes = [a.dtype for a in self.out_avals] + [s.dtype for s in self.in_specs]
             # bool, PRNG keys (no Partial at all), complex (no max/min)
@@ -252,7 +259,8 @@ class _Selection:
                     ins = tuple(_R if i in subset else p for i, p in enumerate(c.ins))
                     lookup.setdefault(ins, []).append(Column(c.outs, ins, c.even))
         for v in lookup.values():
-            v.sort(key=lambda c: -sum(map(_score, c.outs)))
+            if len(v) > 1:
+                v.sort(key=lambda c: -sum(map(_score, c.outs)))
         return cols, lookup
 
     def current(self, m: int) -> tuple[Placement, ...]:
@@ -271,7 +279,8 @@ class _Selection:
                 ins[i][m] = p
             for j, p in enumerate(col.outs):
                 outs[j][m] = p
-        in_specs = tuple(Spec(s.mesh, tuple(pl), s.shape, s.dtype) for s, pl in zip(self.in_specs, ins))
+        in_specs = tuple(s if s.placements == tuple(pl) else Spec(s.mesh, tuple(pl), s.shape, s.dtype)
+                         for s, pl in zip(self.in_specs, ins))
         out_specs = tuple(Spec(self.mesh, tuple(pl), tuple(a.shape), a.dtype) for a, pl in zip(self.out_avals, outs))
         specs = out_specs + in_specs
         for s in specs:
