@@ -130,3 +130,46 @@ def hlo_collectives(compiled_text: str) -> collections.Counter:
 
 def plan_collectives(plan) -> collections.Counter:
     return collections.Counter(HLO_KINDS[s.kind] for s in plan.collectives for _ in range(s.count))
+
+
+def poisoned(value: np.ndarray, mesh, placements, rng):
+    """A DArray holding ``value`` with ``placements``, Partials from unequal parts, and its padding
+    poisoned (NaN, a large integer, True) so a local function that reads padding shows."""
+    import jax
+
+    import jshard
+    from jshard import DArray
+    from jshard.spec import block_sharding
+
+    x = jshard.from_local(local_blocks(value, tuple(mesh.devices.shape), placements, rng), mesh, placements,
+                          shape=value.shape)
+    block = np.array(x.block)
+    kind = block.dtype.kind
+    poison = np.iinfo(block.dtype).max // 3 if kind in "iu" else True if kind == "b" else np.nan  # bf16: 'V'
+    for coords in np.ndindex(*x.spec.mesh_shape):
+        valid = np.ones((), dtype=bool)
+        for d, lay in enumerate(x.spec.layouts):
+            valid = valid & (lay[coords] >= 0).reshape([-1 if a == d else 1 for a in range(x.ndim)])
+        block[coords][~np.broadcast_to(valid, x.spec.local_block_shape)] = poison
+    return DArray(jax.device_put(block, block_sharding(mesh)), x.spec)
+
+
+def placement_st(rank, split_factors=(2, 3)):
+    """Hypothesis strategy: one placement for an array of ``rank`` (every kind, StridedShard included)."""
+    from hypothesis import strategies as st
+
+    kinds = [st.just(Replicate()), st.sampled_from([Partial(op) for op in ("sum", "avg", "max", "min")])]
+    if rank:
+        kinds += [st.builds(Shard, st.integers(0, rank - 1)),
+                  st.builds(StridedShard, st.integers(0, rank - 1), st.sampled_from(split_factors))]
+    return st.one_of(*kinds)
+
+
+def valid(placements, mesh_shape, rank) -> bool:
+    from jshard.placements import PlacementError, normalize_placements
+
+    try:
+        normalize_placements(placements, len(mesh_shape), rank)
+        return True
+    except PlacementError:
+        return False

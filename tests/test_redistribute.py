@@ -8,26 +8,10 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 import jshard
 from conftest import make_mesh
-from jshard import Partial, PlacementError, Replicate, Shard, StridedShard
+from jshard import Partial, Replicate, Shard, StridedShard
 from jshard.lowering import compile_plan
 from jshard.placements import normalize_placements
-from oracle import check_darray, hlo_collectives, local_blocks, plan_collectives
-
-
-def valid(placements, mesh_shape, rank):
-    try:
-        normalize_placements(placements, len(mesh_shape), rank)
-        return True
-    except PlacementError:
-        return False
-
-
-def placement_st(rank):
-    kinds = [st.just(Replicate()), st.sampled_from([Partial(op) for op in ("sum", "avg", "max", "min")])]
-    if rank:
-        kinds += [st.builds(Shard, st.integers(0, rank - 1)),
-                  st.builds(StridedShard, st.integers(0, rank - 1), st.integers(2, 3))]
-    return st.one_of(*kinds)
+from oracle import check_darray, hlo_collectives, local_blocks, placement_st, plan_collectives, valid
 
 
 def run_pair(mesh_shape, shape, src, dst, rng, *, dtype=np.float32, check_hlo=False):

@@ -10,13 +10,11 @@ import pytest
 from jax import lax
 from jax.extend import core as jc
 
-import jshard
 from conftest import make_mesh
-from jshard import DArray, Partial, Replicate, Shard, Spec, StridedShard
+from jshard import Partial, Replicate, Shard, Spec, StridedShard
 from jshard.propagate import select
-from jshard.spec import block_sharding
 from jshard.validate.core import collect, run_equation, validate
-from oracle import local_blocks
+from oracle import poisoned as darray
 
 R = Replicate()
 MATMUL = (((1,), (0,)), ((), ()))
@@ -24,21 +22,6 @@ NHWC = ("NHWC", "HWIO", "NHWC")
 
 
 # -- helpers --------------------------------------------------------------------------------------------
-
-
-def darray(value: np.ndarray, mesh, placements, rng) -> DArray:
-    """``value`` laid out with ``placements`` from unequal Partial parts, its padding poisoned (NaN, or a
-    large integer) so a rule that reads padding shows."""
-    x = jshard.from_local(local_blocks(value, tuple(mesh.devices.shape), placements, rng), mesh, placements,
-                          shape=value.shape)
-    block = np.array(x.block)
-    poison = np.iinfo(block.dtype).max // 3 if block.dtype.kind in "iu" else np.nan
-    for coords in np.ndindex(*x.spec.mesh_shape):
-        valid = np.ones((), dtype=bool)
-        for d, lay in enumerate(x.spec.layouts):
-            valid = valid & (lay[coords] >= 0).reshape([-1 if a == d else 1 for a in range(x.ndim)])
-        block[coords][~np.broadcast_to(valid, x.spec.local_block_shape)] = poison
-    return DArray(jax.device_put(block, block_sharding(mesh)), x.spec)
 
 
 def contraction(fn, *args):

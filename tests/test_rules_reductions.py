@@ -14,13 +14,12 @@ from jax import lax
 
 import jshard
 from conftest import make_mesh
-from jshard import DArray, Partial, Replicate, Shard, StridedShard
+from jshard import Partial, Replicate, Shard, StridedShard
 from jshard.propagate import select
 from jshard.rules.reductions import _sort
-from jshard.spec import block_sharding
 from jshard.validate import samples as sample_modules
 from jshard.validate.core import Sample, collect, run_equation, validate
-from oracle import local_blocks
+from oracle import poisoned as darray
 
 R = Replicate()
 S0, S1, S2 = Shard(0), Shard(1), Shard(2)
@@ -43,22 +42,6 @@ def family_samples(shapes=None) -> dict:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sample_modules, "MODULES", (SimpleNamespace(__name__=module.__name__, PROGRAMS=programs),))
         return collect(REDUCTIONS + SCANS + OTHERS)
-
-
-def darray(value: np.ndarray, mesh, placements, rng) -> DArray:
-    """``value`` laid out with ``placements`` from unequal Partial parts, its padding poisoned (NaN, a
-    large integer, True) so a local function that reads padding shows."""
-    x = jshard.from_local(local_blocks(value, tuple(mesh.devices.shape), placements, rng), mesh, placements,
-                          shape=value.shape)
-    block = np.array(x.block)
-    kind = block.dtype.kind
-    poison = np.nan if kind == "f" else True if kind == "b" else np.iinfo(block.dtype).max // 3
-    for coords in np.ndindex(*x.spec.mesh_shape):
-        valid = np.ones((), dtype=bool)
-        for d, lay in enumerate(x.spec.layouts):
-            valid = valid & (lay[coords] >= 0).reshape([-1 if a == d else 1 for a in range(x.ndim)])
-        block[coords][~np.broadcast_to(valid, x.spec.local_block_shape)] = poison
-    return DArray(jax.device_put(block, block_sharding(mesh)), x.spec)
 
 
 def equation(fn, *args):
