@@ -89,7 +89,7 @@ _INCREASING = {  # non-decreasing on their whole domain
 }
 _INCREASING_UPWARD = {"log", "log1p", "sqrt", "acosh"}  # non-decreasing on [a, inf): P(min) only
 _DECREASING = {"erfc"}
-_IDENTITY = {"copy", "copy_p", "stop_gradient"}
+_IDENTITY = {"copy", "stop_gradient"}
 _PLAIN = {  # no Partial survives
     "abs", "square", "sin", "cos", "tan", "asin", "acos", "atanh", "cosh", "lgamma", "digamma", "erf_inv",
     "is_finite", "population_count", "clz", "bessel_i0e", "bessel_i1e",

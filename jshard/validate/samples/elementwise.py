@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.core.primitives import copy_p
 
 from .values import arr
 
@@ -28,6 +29,8 @@ for s in _SHAPES:
     PROGRAMS += [(f, (x,)) for f in _UNARY]
     PROGRAMS += [(lax.is_finite, (np.where(x > 3, np.inf, np.where(x < -4, np.nan, x)).astype(np.float32),))] + [(f, (p,)) for f in _POSITIVE + [lax.log, lax.sqrt]]
     PROGRAMS += [(f, (x, y)) for f in _BINARY]
+    PROGRAMS += [(lax.bessel_i0e, (x,)), (lax.bessel_i1e, (x,)), (lambda a: lax.conj(lax.complex(a, a * 2.0)), (x,)),
+                 (lambda a: copy_p.bind(a), (x,))]
     # add_any: autodiff summing the cotangents of an input used twice
     PROGRAMS += [(lambda a: jax.grad(lambda z: jnp.sum(jnp.sin(z)) + jnp.sum(z * a))(a), (x,))]
     PROGRAMS += [(lambda a, b: a + b, (x, np.float32(2.5))), (lambda a: a * 2.0, (x,)), (lambda a: a * -3.0, (x,)),
