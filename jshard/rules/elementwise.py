@@ -96,7 +96,7 @@ _PLAIN = {  # no Partial survives
 }
 _BINARY_PLAIN = {
     "pow", "atan2", "rem", "and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge", "igamma", "igammac", "igamma_grad_a", "polygamma", "zeta",
-    "random_gamma_grad", "regularized_incomplete_beta", "eq_to", "le_to", "lt_to",
+    "regularized_incomplete_beta",
 }
 
 
