@@ -33,7 +33,7 @@ for s in _SHAPES:
     PROGRAMS += [(lax.bessel_i0e, (x,)), (lax.bessel_i1e, (x,)), (lambda a: lax.conj(lax.complex(a, a * 2.0)), (x,)),
                  (lambda a: copy_p.bind(a), (x,))]
     PROGRAMS += [(f, (p, arr(s, positive=True, salt=4))) for f in (lax.igamma, lax.igammac, lax.igamma_grad_a)]
-    PROGRAMS += [(lax.polygamma, (np.ones(s, np.float32), p)),
+    PROGRAMS += [(lax.zeta, (p + 1.0, p)), (lax.polygamma, (np.ones(s, np.float32), p)),
                  (jax.scipy.special.betainc, (p, arr(s, positive=True, salt=5), np.full(s, 0.3, np.float32)))]
     # add_any: autodiff summing the cotangents of an input used twice
     PROGRAMS += [(lambda a: jax.grad(lambda z: jnp.sum(jnp.sin(z)) + jnp.sum(z * a))(a), (x,))]
