@@ -1,7 +1,8 @@
 """Every registered rule against the single-device truth (a fast slice of ``python -m jshard.validate``).
 
-The slice runs meshes of 2 and 3 devices and a random subset of input placement combinations per sample;
-the full sweep (``--all`` on 2, 3 and 4 devices, every combination) is the slow-marked test.
+The slice runs meshes of 2 and 3 devices and a random subset of input placement combinations on a few
+samples and asserts that no rule is incorrect; the full sweep (every sample, 2, 3 and 4 devices, every
+combination) is the slow-marked test and also asserts that the core families miss nothing.
 """
 
 import warnings
@@ -46,8 +47,7 @@ def test_rule_slice(name):
         r = validate(name, _SAMPLES[name][:4], sizes=(2, 3), max_combos=10, seed=0)
     assert r.incorrect == 0, "\n\n".join(repro for _, repro in r.incorrect_cases[:2])
     assert not r.errors, r.errors[:3]
-    if _family(name) in CORE_FAMILIES and name not in KNOWN_MISSING:
-        assert r.missing == 0, [k for k, _ in r.missing_cases]
+    # "missing" needs every sample to rule out coincidences: it is asserted by the full sweep below
 
 
 def test_validator_catches_a_wrong_rule(monkeypatch):

@@ -95,7 +95,7 @@ _PLAIN = {  # no Partial survives
     "is_finite", "population_count", "clz", "bessel_i0e", "bessel_i1e",
 }
 _BINARY_PLAIN = {
-    "pow", "atan2", "rem", "and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge", "igamma", "igammac", "igamma_grad_a", "polygamma", "zeta",
+    "pow", "atan2", "rem", "and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge", "igamma_grad_a", "polygamma", "zeta",
     "regularized_incomplete_beta",
 }
 
@@ -162,6 +162,8 @@ def _binary(name):
             t += [(own, own, own)] + _monotone(2, 0, True) + _monotone(2, 1, True)
         elif name == "nextafter":
             t += _monotone(2, 0, True)
+        elif name in ("igamma", "igammac"):  # regularized incomplete gammas: monotone in x on [0, inf)
+            t += _monotone(2, 1, name == "igamma", ops=(_MIN,))
         elif name == "complex":
             t += [(p, p, p) for p in lin]
         return t
@@ -232,7 +234,7 @@ def _bitcast(ins, outs, params):
 _UNARY = _INCREASING | _INCREASING_UPWARD | _DECREASING | _IDENTITY | _PLAIN | {
     "neg", "not", "rsqrt", "integer_pow", "real", "imag", "conj"}
 _BINARY = _BINARY_PLAIN | {"add", "add_any", "sub", "mul", "div", "shift_left", "shift_right_arithmetic",
-                           "shift_right_logical", "max", "min", "nextafter", "complex"}
+                           "igamma", "igammac", "shift_right_logical", "max", "min", "nextafter", "complex"}
 
 _TABLE = {n: _unary(n) for n in _UNARY} | {n: _binary(n) for n in _BINARY}
 _TABLE.update(select_n=_select_n, clamp=_clamp, convert_element_type=_convert, bitcast_convert_type=_bitcast)
