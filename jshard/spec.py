@@ -54,6 +54,8 @@ def format_mesh(mesh: Mesh) -> str:
 
 
 def _dtype_short(dtype: np.dtype) -> str:
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return str(dtype)  # PRNG keys: key<fry>
     dtype = np.dtype(dtype)
     if dtype == np.bool_:
         return "bool"

@@ -1,1 +1,125 @@
-"""Rules for the random family (being written)."""
+"""Random-number primitives: keys stay where they are, random bits are drawn shard by shard.
+
+A key array (``key<fry>[...]``, from ``random_seed`` / ``random_wrap`` / ``random_split``) is tiny and
+usually rank 0, so every key primitive is elementwise over the key array's own dims and nothing else:
+a batch of keys (``jax.vmap`` over ``split`` keys) may be sharded like any array, one key at a time.
+Pending reductions never apply: summing or maxing keys means nothing, and the selection drops Partials
+on key dtypes anyway.
+
+``random_bits(key, bit_width, shape)`` is the one that matters. Its output dims are the key array's dims,
+then ``shape``; ``shape`` is a *global* size, so binding it on a device would give every shard the
+numbers of shard 0. With the default threefry implementation and ``jax_threefry_partitionable`` (both
+JAX defaults) element ``i`` (the row-major linear index inside ``shape``) of key ``k`` is
+
+    x0, x1 = threefry2x32(k, hi32(i), lo32(i))        bits = x0 ^ x1   (8/16 bits: its low bits;
+                                                                       64 bits: x0 << 32 | x1)
+
+so a device can draw exactly its own elements from their global indices, whatever the layout (uneven,
+strided, several mesh axes on one dim): the local function below does that, and the result equals the
+single-device draw bit for bit. An output shard on a ``shape`` dim is offered as a placeholder, so it is
+taken only when the key itself is sharded (then on another mesh axis); tests call the local function
+with sharded outputs directly.
+
+>>> import jax, jax.numpy as jnp; from jax.core import ShapedArray
+>>> key = jax.random.key(0)
+>>> _bits((ShapedArray((), key.dtype),), (ShapedArray((4, 6), jnp.uint32),), {"shape": (4, 6), "bit_width": 32})
+[(Φ0, R), (Φ1, R)]
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.random import threefry2x32_p
+
+from ..local import PerDevice
+from ..spec import Spec
+from .registry import R, ShardPlaceholder, register
+
+__all__: list[str] = []
+
+
+def _elementwise(ins, outs, params) -> list[tuple]:
+    """Shard a leading dim shared by the outputs and the inputs; scalars and size-1 (broadcast) dims of an
+    input stay Replicate. Covers seed, wrap / unwrap (which add or drop the trailing key-data dim), split
+    (which appends its new dims), fold_in, clone, and the threefry2x32 hash itself."""
+    out = outs[0].shape
+    rank = min([len(a.shape) for a in outs] + [len(a.shape) for a in ins if a.shape or len(ins) == 1])
+    return [tuple(ShardPlaceholder(d) for _ in outs)
+            + tuple(ShardPlaceholder(d) if a.shape and a.shape[d] == out[d] else R for a in ins)
+            for d in range(rank)]
+
+
+for _name in ("random_seed", "random_wrap", "random_unwrap", "random_split", "random_fold_in", "random_clone",
+              "threefry2x32"):
+    register(_name)(_elementwise)
+
+
+def _partitionable(key_dtype) -> bool:
+    """Do this key's bits depend only on the element's global index (threefry, partitionable mode)?"""
+    impl = getattr(key_dtype, "_impl", None)
+    return getattr(impl, "name", None) == "threefry2x32" and bool(jax.config.jax_threefry_partitionable)
+
+
+def _count_tables(out_spec: Spec, first: int, shape: tuple[int, ...]) -> list[tuple[PerDevice, PerDevice]]:
+    """Per ``shape`` dim ``j``: this device's ``g_j * stride_j`` along output dim ``first + j``, as (hi, lo)
+    uint32 tables (the linear index may exceed 32 bits; padding counts as index 0)."""
+    names = tuple(out_spec.mesh.axis_names)
+    strides = [math.prod(shape[j + 1:]) for j in range(len(shape))]
+    tables = []
+    for j, stride in enumerate(strides):
+        part = np.maximum(out_spec.layouts[first + j], 0).astype(np.uint64) * np.uint64(stride)
+        tables.append((PerDevice((part >> np.uint64(32)).astype(np.uint32), names),
+                       PerDevice((part & np.uint64(0xFFFFFFFF)).astype(np.uint32), names)))
+    return tables
+
+
+def _linear_index(parts: list[tuple], block: tuple[int, ...]) -> tuple:
+    """``(hi, lo)`` uint32 arrays of ``block`` shape: the 64-bit sum over dims ``j`` of ``parts[j]``, a pair
+    of (hi, lo) vectors along dim ``j`` (broadcast over the others), added limb by limb with carries."""
+    hi = jnp.zeros(block, jnp.uint32)
+    lo = jnp.zeros(block, jnp.uint32)
+    for j, (part_hi, part_lo) in enumerate(parts):
+        at = [1] * len(block)
+        at[j] = -1
+        new_lo = lo + jnp.reshape(part_lo, at)
+        hi = hi + jnp.reshape(part_hi, at) + (new_lo < lo).astype(jnp.uint32)  # carry when lo wrapped
+        lo = new_lo
+    return hi, lo
+
+
+def _bits_local(prim, params, in_specs, out_specs):
+    key_spec, out_spec = in_specs[0], out_specs[0]
+    kr, shape, width = key_spec.rank, tuple(params["shape"]), params["bit_width"]
+    if not any(out_spec.chain(kr + j) for j in range(len(shape))):
+        # only key dims are sharded (or none): every device draws the full shape for its own keys
+        return lambda keys: [prim.bind(keys, **params)]
+    if not _partitionable(key_spec.dtype):  # the rule never shards these draws; refuse rather than guess
+        raise ValueError(f"random_bits: {key_spec.dtype} draws cannot be split by element index")
+    tables = _count_tables(out_spec, kr, shape)
+    block = out_spec.local_block_shape
+    dtype = jnp.dtype(f"uint{width}")
+
+    def run(keys):
+        hi, lo = _linear_index([(thi(), tlo()) for thi, tlo in tables], block[kr:])
+        data = jax.random.key_data(keys)
+        k1, k2 = (jnp.broadcast_to(jnp.reshape(data[..., i], data.shape[:-1] + (1,) * len(shape)), block)
+                  for i in (0, 1))
+        x0, x1 = threefry2x32_p.bind(k1, k2, jnp.broadcast_to(hi, block), jnp.broadcast_to(lo, block))
+        if width == 64:
+            return [(x0.astype(dtype) << dtype.type(32)) | x1.astype(dtype)]
+        return [(x0 ^ x1).astype(dtype)]
+
+    return run
+
+
+@register("random_bits", local=_bits_local)
+def _bits(ins, outs, params) -> list[tuple]:
+    kr = len(ins[0].shape)
+    t = [(ShardPlaceholder(d), ShardPlaceholder(d)) for d in range(kr)]  # a batch of keys, key by key
+    if _partitionable(ins[0].dtype):
+        t += [(ShardPlaceholder(d), R) for d in range(kr, len(outs[0].shape))]
+    return t
