@@ -13,6 +13,7 @@ explicit collectives.
 True
 """
 
+from .api import jit
 from .cost import AxisCost, CostModel
 from .darray import DArray, distribute, from_jax, from_local
 from .placements import Partial, Placement, PlacementError, Replicate, Shard, StridedShard
@@ -37,6 +38,7 @@ __all__ = [
     "distribute",
     "from_jax",
     "from_local",
+    "jit",
     "plan_redistribute",
     "visualize",
 ]
