@@ -13,7 +13,7 @@ explicit collectives.
 True
 """
 
-from .api import jit
+from .api import jit, same_as
 from .cost import AxisCost, CostModel
 from .darray import DArray, distribute, from_jax, from_local
 from .placements import Partial, Placement, PlacementError, Replicate, Shard, StridedShard
@@ -40,5 +40,6 @@ __all__ = [
     "from_local",
     "jit",
     "plan_redistribute",
+    "same_as",
     "visualize",
 ]

@@ -15,8 +15,8 @@ per input specs as ``jax.jit(jax.shard_map(...))`` over block storage.
 >>> y.placements, bool(np.allclose(y.full(), np.tanh(16.0)))
 ((S(0), S(0)), True)
 
-Not yet: control flow (scan, while, cond), ``out_placements``, ``constrain``, ``explain`` and eager operators
-(the engine issue's next steps).
+Not yet: control flow (scan, while, cond), ``constrain``, ``explain`` and eager operators (the engine issue's
+next steps).
 """
 
 from __future__ import annotations
@@ -32,26 +32,36 @@ from jax.sharding import Mesh, PartitionSpec
 
 from .darray import DArray, distribute
 from .lowering import local_equation, local_program
-from .placements import Replicate
+from .placements import Placement, Replicate
 from .planner import Plan, plan_redistribute
 from .propagate import Choice, select
 from .spec import Spec
 
-__all__ = ["jit"]
+__all__ = ["jit", "same_as"]
 
 # calls whose body runs as it is: followed inline (autodiff already happened when the jaxpr was traced)
 _CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
           "custom_vjp_call": "call_jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr"}
 
 
-def jit(fn: Callable) -> Callable:
+@dataclass(frozen=True)
+class same_as:  # noqa: N801 - reads as a function in out_placements
+    """In ``out_placements``: this output subtree takes the placements of argument ``argnum``, leaf by leaf
+    (a training step returning parameters and optimizer state as they came in)."""
+
+    argnum: int
+
+
+def jit(fn: Callable, *, out_placements: Any = None) -> Callable:
     """Compile ``fn`` (global-shape JAX code) for DArray arguments; plain arrays and scalars are Replicate.
 
-    Returns DArrays. Compiled programs are cached by the arguments' specs and tree structure.
+    Returns DArrays. ``out_placements`` pins outputs: a pytree prefix of the outputs whose leaves are a
+    placement tuple, ``same_as(argnum)`` or None (free). Compiled programs are cached by the arguments'
+    specs and tree structure; ``.lower(*args)`` gives the lowered program (for its HLO).
     """
     cache: dict = {}
 
-    def run(*args):
+    def prepare(args):
         leaves, treedef = jax.tree.flatten(args, is_leaf=lambda a: isinstance(a, DArray))
         mesh = next((a.mesh for a in leaves if isinstance(a, DArray)), None)
         if mesh is None:
@@ -62,10 +72,48 @@ def jit(fn: Callable) -> Callable:
         key = (treedef, tuple(d.spec for d in darrays))
         program = cache.get(key)
         if program is None:
-            program = cache[key] = _compile(fn, treedef, [d.spec for d in darrays], mesh)
+            program = cache[key] = _compile(fn, treedef, [d.spec for d in darrays], mesh, out_placements, args)
+        return program, darrays
+
+    def run(*args):
+        program, darrays = prepare(args)
         return program(darrays)
 
+    def lower(*args):
+        program, darrays = prepare(args)
+        return program.jitted.lower(*[d.block for d in darrays])
+
+    run.lower = lower
     return run
+
+
+def _is_pin(p) -> bool:
+    return p is None or isinstance(p, same_as) or (isinstance(p, (tuple, list)) and all(isinstance(q, Placement) for q in p))
+
+
+def _pins(out_placements, out_tree, n_out: int, args) -> list:
+    """Per output leaf: the placements it is pinned to, or None."""
+    pins: list = [None] * n_out
+    if out_placements is None:
+        return pins
+    positions = jax.tree.unflatten(out_tree, list(range(n_out)))
+
+    def assign(pin, sub):
+        idx = jax.tree.leaves(sub)
+        if isinstance(pin, same_as):
+            src = [a.placements for a in jax.tree.leaves(args[pin.argnum], is_leaf=lambda a: isinstance(a, DArray))
+                   if isinstance(a, DArray)]
+            if len(src) != len(idx):
+                raise ValueError(f"jshard.jit: out_placements same_as({pin.argnum}) pins {len(idx)} outputs, but "
+                                 f"argument {pin.argnum} has {len(src)} DArrays")
+            for i, p in zip(idx, src):
+                pins[i] = p
+        elif pin is not None:
+            for i in idx:
+                pins[i] = tuple(pin)
+
+    jax.tree.map(assign, out_placements, positions, is_leaf=_is_pin)
+    return pins
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -131,7 +179,7 @@ def _walk_closed(jaxpr, const_vars, args, env, steps, mesh):
                  list(const_vars) + list(args), env, steps, mesh)
 
 
-def _compile(fn: Callable, treedef, specs: list[Spec], mesh: Mesh) -> Callable:
+def _compile(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placements, args) -> Callable:
     avals = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in specs]
     closed = jax.make_jaxpr(lambda *leaves: fn(*jax.tree.unflatten(treedef, leaves)), return_shape=True)
     closed, out_shape = closed(*avals)
@@ -145,6 +193,11 @@ def _compile(fn: Callable, treedef, specs: list[Spec], mesh: Mesh) -> Callable:
         if isinstance(o, jc.Literal):
             raise NotImplementedError("jshard.jit: an output that is a constant")
         out_specs.append(env[o])
+    finals = []
+    for i, pin in enumerate(_pins(out_placements, out_tree, len(outs), args)):
+        plan = plan_redistribute(out_specs[i], pin) if pin is not None else None
+        finals.append(local_program(plan) if plan is not None and plan.steps else None)
+        out_specs[i] = plan.dst if plan is not None else out_specs[i]
     kernels = [local_equation(st.eqn.primitive, st.eqn.params, st.choice.ins, st.choice.outs) for st in steps]
     moves = [[local_program(p) if isinstance(p, Plan) and p.steps else None for (_, _, p) in st.ins] for st in steps]
     in_vars = list(closed.jaxpr.invars)
@@ -160,7 +213,8 @@ def _compile(fn: Callable, treedef, specs: list[Spec], mesh: Mesh) -> Callable:
             for o, r in zip(st.eqn.outvars, kernel(*args)):
                 if not isinstance(o, jc.DropVar):
                     vals[o] = r
-        return [vals[o].reshape((1,) * k + vals[o].shape) for o in outs]
+        results = [m(vals[o]) if m is not None else vals[o] for o, m in zip(outs, finals)]
+        return [r.reshape((1,) * k + r.shape) for r in results]
 
     block = PartitionSpec(*mesh.axis_names)
     program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(block,) * len(specs),
@@ -170,4 +224,5 @@ def _compile(fn: Callable, treedef, specs: list[Spec], mesh: Mesh) -> Callable:
         blocks = program(*[d.block for d in darrays])
         return jax.tree.unflatten(out_tree, [DArray(b, s) for b, s in zip(blocks, out_specs)])
 
+    call.jitted = program
     return call

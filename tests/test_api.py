@@ -119,3 +119,27 @@ def test_dropout_draws_the_single_device_numbers():
     got, want = np.asarray(out.full()), np.asarray(f(X, key))
     np.testing.assert_array_equal(got == 0, want == 0)  # the same draws keep the same elements
     np.testing.assert_allclose(got, want, rtol=1e-6)  # x / 0.7 may compile to x * (1 / 0.7)
+
+
+def test_data_parallel_gradients_stay_partial_and_reduce_once_per_parameter_when_pinned():
+    from oracle import hlo_collectives
+
+    mesh = make_mesh((8,))
+    rng = np.random.default_rng(4)
+    X, W1, W2 = (rng.normal(size=s).astype(np.float32) for s in [(16, 10), (10, 12), (12, 10)])
+    x = jshard.distribute(X, mesh, (Shard(0),))
+    params = (jshard.distribute(W1, mesh, (R,)), jshard.distribute(W2, mesh, (R,)))
+    grad = jax.grad(lambda p, x: mlp(x, *p))
+    free = jshard.jit(grad)(params, x)
+    assert [g.placements for g in free] == [(Partial(),), (Partial(),)]  # nothing reduced yet
+    pinned = jshard.jit(grad, out_placements=jshard.same_as(0))
+    out = pinned(params, x)
+    for g, want in zip(out, grad((W1, W2), X)):
+        assert g.placements == (R,)
+        np.testing.assert_allclose(np.asarray(g.full()), want, rtol=1e-4, atol=1e-6)
+    lowered = pinned.lower(params, x)
+    # one psum per parameter and nothing in the backward pass (XLA's combiner may then merge the two)
+    assert lowered.as_text().count("stablehlo.all_reduce") == 2
+    assert set(hlo_collectives(lowered.compile().as_text())) == {"all-reduce"}
+    sharded = jshard.jit(grad, out_placements=((Shard(0),), (Shard(0),))).lower(params, x)
+    assert sharded.as_text().count("stablehlo.reduce_scatter") == 2 and "all_reduce" not in sharded.as_text()
