@@ -13,7 +13,7 @@ explicit collectives.
 True
 """
 
-from .api import jit, same_as
+from .api import constrain, jit, same_as
 from .cost import AxisCost, CostModel
 from .darray import DArray, distribute, from_jax, from_local
 from .placements import Partial, Placement, PlacementError, Replicate, Shard, StridedShard
@@ -35,6 +35,7 @@ __all__ = [
     "Spec",
     "Step",
     "StridedShard",
+    "constrain",
     "distribute",
     "from_jax",
     "from_local",

@@ -15,8 +15,7 @@ per input specs as ``jax.jit(jax.shard_map(...))`` over block storage.
 >>> y.placements, bool(np.allclose(y.full(), np.tanh(16.0)))
 ((S(0), S(0)), True)
 
-Not yet: control flow (scan, while, cond), ``constrain``, ``explain`` and eager operators (the engine issue's
-next steps).
+Not yet: control flow (scan, while, cond), ``explain`` and eager operators (the engine issue's next steps).
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from .planner import Plan, plan_redistribute
 from .propagate import Choice, select
 from .spec import Spec
 
-__all__ = ["jit", "same_as"]
+__all__ = ["constrain", "jit", "same_as"]
 
 # calls whose body runs as it is: followed inline (autodiff already happened when the jaxpr was traced)
 _CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
@@ -116,6 +115,34 @@ def _pins(out_placements, out_tree, n_out: int, args) -> list:
     return pins
 
 
+def constrain(x, placements) -> Any:
+    """Inside a ``jshard.jit`` function: ``x`` with ``placements`` from here on (the engine redistributes it
+    there, like ``with_sharding_constraint``); the identity anywhere else, gradients included.
+
+    >>> import jax, numpy as np, jshard
+    >>> from jshard import Shard, Replicate
+    >>> x = jshard.distribute(np.arange(8.0), jax.make_mesh((8,), ("x",)), [Replicate()])
+    >>> jshard.jit(lambda x: jshard.constrain(x * 2, [Shard(0)]) + 1)(x).placements
+    (S(0),)
+    """
+    return _constrain_p.bind(x, placements=tuple(placements))
+
+
+def _constrain_prim():
+    from jax.interpreters import ad, batching, mlir
+
+    p = jc.Primitive("jshard_constrain")
+    p.def_impl(lambda x, placements: x)
+    p.def_abstract_eval(lambda x, placements: x)
+    ad.deflinear2(p, lambda ct, x, placements: [ct])  # the gradient is not pinned: it finds its own placement
+    batching.defvectorized(p)
+    mlir.register_lowering(p, lambda ctx, x, placements: [x])
+    return p
+
+
+_constrain_p = _constrain_prim()
+
+
 # ---------------------------------------------------------------------------------------------------
 # tracing and propagation
 
@@ -161,7 +188,11 @@ def _walk(jaxpr: jc.Jaxpr, in_vars: list, env: dict, steps: list, mesh: Mesh) ->
                 specs.append(env[v])
                 consts.append(None)
                 ins.append(("var", v))
-        choice = select(eqn.primitive, eqn.params, specs, [o.aval for o in eqn.outvars], consts=consts, mesh=mesh)
+        if eqn.primitive is _constrain_p:
+            target = specs[0].with_placements(eqn.params["placements"], where="jshard.constrain")
+            choice = Choice((target,), (target,), 0.0, None)
+        else:
+            choice = select(eqn.primitive, eqn.params, specs, [o.aval for o in eqn.outvars], consts=consts, mesh=mesh)
         ins = [(kind, x, None if kind == "lit" or s == t else plan_redistribute(s, t.placements))
                for (kind, x), s, t in zip(ins, specs, choice.ins)]
         for kind_x_plan, s, t in zip(ins, specs, choice.ins):
@@ -198,7 +229,8 @@ def _compile(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placement
         plan = plan_redistribute(out_specs[i], pin) if pin is not None else None
         finals.append(local_program(plan) if plan is not None and plan.steps else None)
         out_specs[i] = plan.dst if plan is not None else out_specs[i]
-    kernels = [local_equation(st.eqn.primitive, st.eqn.params, st.choice.ins, st.choice.outs) for st in steps]
+    kernels = [(lambda x: [x]) if st.eqn.primitive is _constrain_p else
+               local_equation(st.eqn.primitive, st.eqn.params, st.choice.ins, st.choice.outs) for st in steps]
     moves = [[local_program(p) if isinstance(p, Plan) and p.steps else None for (_, _, p) in st.ins] for st in steps]
     in_vars = list(closed.jaxpr.invars)
     k = mesh.devices.ndim

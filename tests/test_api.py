@@ -143,3 +143,21 @@ def test_data_parallel_gradients_stay_partial_and_reduce_once_per_parameter_when
     assert set(hlo_collectives(lowered.compile().as_text())) == {"all-reduce"}
     sharded = jshard.jit(grad, out_placements=((Shard(0),), (Shard(0),))).lower(params, x)
     assert sharded.as_text().count("stablehlo.reduce_scatter") == 2 and "all_reduce" not in sharded.as_text()
+
+
+def test_constrain_pins_an_intermediate_and_is_transparent_to_gradients():
+    mesh = make_mesh((2, 4))
+    rng = np.random.default_rng(5)
+    X, W = rng.normal(size=(8, 12)).astype(np.float32), rng.normal(size=(12, 8)).astype(np.float32)
+
+    def f(x, w):
+        h = jshard.constrain(x @ w, [Shard(0), Shard(1)])
+        return jnp.sum(jnp.tanh(h) ** 2)
+
+    args = [jshard.distribute(X, mesh, (R, R)), jshard.distribute(W, mesh, (R, R))]
+    h = jshard.jit(lambda x, w: jshard.constrain(x @ w, [Shard(0), Shard(1)]))(*args)
+    assert h.placements == (Shard(0), Shard(1))
+    np.testing.assert_allclose(np.asarray(h.full()), X @ W, rtol=1e-5)
+    for g, want in zip(jshard.jit(jax.grad(f, argnums=(0, 1)))(*args), jax.grad(f, argnums=(0, 1))(X, W)):
+        np.testing.assert_allclose(np.asarray(g.full()), want, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(f(X, W), jax.jit(f)(X, W), rtol=1e-6)  # outside jshard.jit: the identity
