@@ -13,7 +13,7 @@ explicit collectives.
 True
 """
 
-from .api import constrain, jit, same_as
+from .api import Explanation, constrain, explain, jit, same_as
 from .cost import AxisCost, CostModel
 from .darray import DArray, distribute, from_jax, from_local
 from .placements import Partial, Placement, PlacementError, Replicate, Shard, StridedShard
@@ -25,6 +25,7 @@ __all__ = [
     "AxisCost",
     "CostModel",
     "DArray",
+    "Explanation",
     "LayoutError",
     "Partial",
     "Placement",
@@ -37,6 +38,7 @@ __all__ = [
     "StridedShard",
     "constrain",
     "distribute",
+    "explain",
     "from_jax",
     "from_local",
     "jit",

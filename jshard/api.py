@@ -15,7 +15,7 @@ per input specs as ``jax.jit(jax.shard_map(...))`` over block storage.
 >>> y.placements, bool(np.allclose(y.full(), np.tanh(16.0)))
 ((S(0), S(0)), True)
 
-Not yet: control flow (scan, while, cond), ``explain`` and eager operators (the engine issue's next steps).
+Not yet: control flow (scan, while, cond) and eager operators (the engine issue's next steps).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from .planner import Plan, plan_redistribute
 from .propagate import Choice, select
 from .spec import Spec
 
-__all__ = ["constrain", "jit", "same_as"]
+__all__ = ["Explanation", "constrain", "explain", "jit", "same_as"]
 
 # calls whose body runs as it is: followed inline (autodiff already happened when the jaxpr was traced)
 _CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
@@ -84,6 +84,64 @@ def jit(fn: Callable, *, out_placements: Any = None) -> Callable:
 
     run.lower = lower
     return run
+
+
+@dataclass
+class Explanation:
+    """What ``jshard.jit`` does with a function: one row per equation (primitive, the user's source line,
+    the specs its inputs run with, its output specs, the redistributions of its inputs as
+    ``(input, kind, mesh axes, bytes per device)``), the output pins, and totals per collective kind
+    (``{kind: (count, bytes)}``). ``str()`` prints it as a table."""
+
+    rows: list[dict]
+    totals: dict
+
+    def __str__(self) -> str:
+        lines = []
+        for r in self.rows:
+            lines.append(f"{r['primitive']:<22} {r['source']:<34} -> {', '.join(map(str, r['outs']))}")
+            for i, kind, axes, nbytes in r["moves"]:
+                lines.append(f"    in{i}: {kind} over {','.join(axes)}  {nbytes:,} B")
+        lines.append("totals: " + (", ".join(f"{k} x{c} ({b:,} B)" for k, (c, b) in sorted(self.totals.items()))
+                                   or "no collectives"))
+        return "\n".join(lines)
+
+
+def explain(fn: Callable, *args, out_placements: Any = None) -> Explanation:
+    """The plan ``jshard.jit(fn, out_placements=...)`` would run on ``args``, as data (nothing compiles).
+
+    >>> import jax, jax.numpy as jnp, numpy as np, jshard
+    >>> from jshard import Shard, Replicate
+    >>> x = jshard.distribute(np.ones((8, 4), np.float32), jax.make_mesh((8,), ("x",)), [Shard(0)])
+    >>> jshard.explain(lambda x: jnp.exp(x.sum(0)), x).totals
+    {'all_reduce': (1, 16)}
+    """
+    leaves, treedef = jax.tree.flatten(args, is_leaf=lambda a: isinstance(a, DArray))
+    mesh = next(a.mesh for a in leaves if isinstance(a, DArray))
+    specs = [a.spec if isinstance(a, DArray) else
+             Spec.create(mesh, (Replicate(),) * mesh.devices.ndim, np.shape(a), np.asarray(a).dtype) for a in leaves]
+    t = _trace(fn, treedef, specs, mesh, out_placements, args)
+    from jax.extend.source_info_util import summarize
+
+    rows, totals = [], {}
+
+    def moves_of(i, plan):
+        out = []
+        for step in plan.collectives if isinstance(plan, Plan) else ():  # a reused move costs nothing
+            out.append((i, step.kind, tuple(step.axes), int(step.bytes)))
+            c, b = totals.get(step.kind, (0, 0))
+            totals[step.kind] = (c + step.count, b + int(step.bytes))
+        return out
+
+    for st in t.steps:
+        moves = [m for i, (_, _, plan) in enumerate(st.ins) for m in moves_of(i, plan)]
+        rows.append(dict(primitive=st.eqn.primitive.name, source=summarize(st.eqn.source_info),
+                         ins=list(st.choice.ins), outs=list(st.choice.outs), moves=moves))
+    for j, plan in enumerate(t.final_plans):
+        if plan is not None and plan.collectives:
+            rows.append(dict(primitive="(output pin)", source=f"output {j}", ins=[plan.src], outs=[plan.dst],
+                             moves=moves_of(0, plan)))
+    return Explanation(rows, totals)
 
 
 def _is_pin(p) -> bool:
@@ -145,6 +203,9 @@ _constrain_p = _constrain_prim()
 
 # ---------------------------------------------------------------------------------------------------
 # tracing and propagation
+
+
+_REUSE = "reuse"  # the input was already moved to this spec for an earlier consumer
 
 
 @dataclass
@@ -210,7 +271,17 @@ def _walk_closed(jaxpr, const_vars, args, env, steps, mesh):
                  list(const_vars) + list(args), env, steps, mesh)
 
 
-def _compile(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placements, args) -> Callable:
+@dataclass
+class _Traced:
+    closed: jc.ClosedJaxpr
+    out_tree: Any
+    steps: list
+    outs: list
+    out_specs: list
+    final_plans: list
+
+
+def _trace(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placements, args) -> _Traced:
     avals = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in specs]
     closed = jax.make_jaxpr(lambda *leaves: fn(*jax.tree.unflatten(treedef, leaves)), return_shape=True)
     closed, out_shape = closed(*avals)
@@ -219,16 +290,37 @@ def _compile(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placement
     const_vars = [jc.Literal(c, jax.typeof(c)) for c in closed.consts]
     steps: list[_Step] = []
     outs = _walk_closed(closed.jaxpr, const_vars, list(closed.jaxpr.invars), env, steps, mesh)
+    live = {o for o in outs if not isinstance(o, jc.Literal)}  # drop dead equations (and their collectives)
+    kept = []
+    for st in reversed(steps):
+        if st.eqn.effects or any(o in live for o in st.eqn.outvars):
+            kept.append(st)
+            live.update(x for kind, x, _ in st.ins if kind == "var")
+    steps = kept[::-1]
+    seen = set()  # a value moved to the same spec for several consumers moves once
+    for st in steps:
+        for i, ((kind, x, plan), target) in enumerate(zip(st.ins, st.choice.ins)):
+            if isinstance(plan, Plan):
+                if (x, target) in seen:
+                    st.ins[i] = (kind, x, _REUSE)
+                seen.add((x, target))
     out_specs = []
     for o in outs:
         if isinstance(o, jc.Literal):
             raise NotImplementedError("jshard.jit: an output that is a constant")
         out_specs.append(env[o])
-    finals = []
+    final_plans = []
     for i, pin in enumerate(_pins(out_placements, out_tree, len(outs), args)):
         plan = plan_redistribute(out_specs[i], pin) if pin is not None else None
-        finals.append(local_program(plan) if plan is not None and plan.steps else None)
+        final_plans.append(plan)
         out_specs[i] = plan.dst if plan is not None else out_specs[i]
+    return _Traced(closed, out_tree, steps, outs, out_specs, final_plans)
+
+
+def _compile(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placements, args) -> Callable:
+    t = _trace(fn, treedef, specs, mesh, out_placements, args)
+    closed, steps, outs, out_specs, out_tree = t.closed, t.steps, t.outs, t.out_specs, t.out_tree
+    finals = [local_program(p) if p is not None and p.steps else None for p in t.final_plans]
     kernels = [(lambda x: [x]) if st.eqn.primitive is _constrain_p else
                local_equation(st.eqn.primitive, st.eqn.params, st.choice.ins, st.choice.outs) for st in steps]
     moves = [[local_program(p) if isinstance(p, Plan) and p.steps else None for (_, _, p) in st.ins] for st in steps]
@@ -237,11 +329,17 @@ def _compile(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placement
 
     def body(*blocks):
         vals = {v: b.reshape(b.shape[k:]) for v, b in zip(in_vars, blocks)}
+        moved = {}
         for st, kernel, move in zip(steps, kernels, moves):
             args = []
-            for (kind, x, _), m in zip(st.ins, move):
+            for (kind, x, plan), m, target in zip(st.ins, move, st.choice.ins):
+                if plan is _REUSE:
+                    args.append(moved[(x, target)])
+                    continue
                 a = x if kind == "lit" else vals[x]
-                args.append(m(a) if m is not None else a)
+                if m is not None:
+                    a = moved[(x, target)] = m(a)
+                args.append(a)
             for o, r in zip(st.eqn.outvars, kernel(*args)):
                 if not isinstance(o, jc.DropVar):
                     vals[o] = r

@@ -161,3 +161,27 @@ def test_constrain_pins_an_intermediate_and_is_transparent_to_gradients():
     for g, want in zip(jshard.jit(jax.grad(f, argnums=(0, 1)))(*args), jax.grad(f, argnums=(0, 1))(X, W)):
         np.testing.assert_allclose(np.asarray(g.full()), want, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(f(X, W), jax.jit(f)(X, W), rtol=1e-6)  # outside jshard.jit: the identity
+
+
+STABLEHLO = {"all_gather": "stablehlo.all_gather", "all_reduce": "stablehlo.all_reduce",
+             "reduce_scatter": "stablehlo.reduce_scatter", "all_to_all": "stablehlo.all_to_all",
+             "permute": "stablehlo.collective_permute", "exchange": "stablehlo.collective_permute"}
+
+
+@pytest.mark.parametrize("pins", [None, "same", "shard"])
+def test_explain_lists_the_collectives_of_the_program(pins):
+    mesh = make_mesh((2, 4))
+    rng = np.random.default_rng(6)
+    X, W1, W2 = (rng.normal(size=s).astype(np.float32) for s in [(8, 12), (12, 16), (16, 12)])
+    args = [jshard.distribute(X, mesh, (Shard(0), R)), jshard.distribute(W1, mesh, (R, Shard(1))),
+            jshard.distribute(W2, mesh, (R, Shard(0)))]
+    f = jax.grad(mlp, argnums=(1, 2))
+    out_placements = {None: None, "same": (jshard.same_as(1), jshard.same_as(2)),
+                      "shard": ((Shard(0), Shard(1)), (Shard(1), Shard(0)))}[pins]
+    ex = jshard.explain(f, *args, out_placements=out_placements)
+    text = jshard.jit(f, out_placements=out_placements).lower(*args).as_text()
+    listed = {}
+    for kind, (count, _) in ex.totals.items():
+        listed[STABLEHLO[kind]] = listed.get(STABLEHLO[kind], 0) + count
+    assert listed == {k: text.count(k) for k in set(STABLEHLO.values()) if text.count(k)}
+    assert "test_api.py" in " ".join(r["source"] for r in ex.rows) and str(ex)
