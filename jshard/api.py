@@ -15,7 +15,8 @@ per input specs as ``jax.jit(jax.shard_map(...))`` over block storage.
 >>> y.placements, bool(np.allclose(y.full(), np.tanh(16.0)))
 ((S(0), S(0)), True)
 
-Not yet: control flow (scan, while, cond) and eager operators (the engine issue's next steps).
+``scan`` / ``while`` / ``cond`` bodies are walked as programs of their own (loop carries settle on placements both
+the initial value and the body reach) and run as local loops and switches. Not yet: eager operators.
 """
 
 from __future__ import annotations
@@ -213,6 +214,7 @@ class _Step:
     eqn: jc.JaxprEqn
     ins: list  # per input: ("var", var, plan | None) or ("lit", value)
     choice: Choice
+    kernel: Callable | None = None  # control flow: the loop / switch over local bodies
 
 
 def _walk(jaxpr: jc.Jaxpr, in_vars: list, env: dict, steps: list, mesh: Mesh) -> list:
@@ -241,7 +243,7 @@ def _walk(jaxpr: jc.Jaxpr, in_vars: list, env: dict, steps: list, mesh: Mesh) ->
         for v in map(outer, eqn.invars):
             if isinstance(v, jc.Literal):
                 key = jax.dtypes.issubdtype(getattr(v.val, "dtype", np.float32), jax.dtypes.extended)
-                val = v.val if key else np.asarray(v.val)  # PRNG keys stay keys
+                val = v.val if key else np.asarray(v.val, dtype=v.aval.dtype)  # PRNG keys stay keys
                 specs.append(Spec(mesh, (Replicate(),) * mesh.devices.ndim, tuple(val.shape), val.dtype))
                 consts.append(None if key else val)
                 ins.append(("lit", val))
@@ -249,9 +251,12 @@ def _walk(jaxpr: jc.Jaxpr, in_vars: list, env: dict, steps: list, mesh: Mesh) ->
                 specs.append(env[v])
                 consts.append(None)
                 ins.append(("var", v))
+        kernel = None
         if eqn.primitive is _constrain_p:
             target = specs[0].with_placements(eqn.params["placements"], where="jshard.constrain")
             choice = Choice((target,), (target,), 0.0, None)
+        elif name in _CONTROL:
+            choice, kernel = _CONTROL[name](eqn, specs, mesh)
         else:
             choice = select(eqn.primitive, eqn.params, specs, [o.aval for o in eqn.outvars], consts=consts, mesh=mesh)
         ins = [(kind, x, None if kind == "lit" or s == t else plan_redistribute(s, t.placements))
@@ -259,7 +264,7 @@ def _walk(jaxpr: jc.Jaxpr, in_vars: list, env: dict, steps: list, mesh: Mesh) ->
         for kind_x_plan, s, t in zip(ins, specs, choice.ins):
             if kind_x_plan[0] == "lit" and s != t:
                 raise NotImplementedError(f"jshard.jit: a literal input of '{name}' would need {t}")
-        steps.append(_Step(eqn, ins, choice))
+        steps.append(_Step(eqn, ins, choice, kernel))
         for o, s in zip(eqn.outvars, choice.outs):
             if not isinstance(o, jc.DropVar):
                 env[o] = s
@@ -279,13 +284,20 @@ class _Traced:
     outs: list
     out_specs: list
     final_plans: list
+    program: _Program
 
 
-def _trace(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placements, args) -> _Traced:
-    avals = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in specs]
-    closed = jax.make_jaxpr(lambda *leaves: fn(*jax.tree.unflatten(treedef, leaves)), return_shape=True)
-    closed, out_shape = closed(*avals)
-    out_tree = jax.tree.structure(out_shape)
+@dataclass
+class _Program:
+    """A walked jaxpr: its input vars, the steps that stay live, its outputs and their specs."""
+
+    in_vars: list
+    steps: list
+    outs: list
+    out_specs: list
+
+
+def _program(closed: jc.ClosedJaxpr, specs: list[Spec], mesh: Mesh) -> _Program:
     env = dict(zip(closed.jaxpr.invars, specs))
     const_vars = [jc.Literal(c, jax.typeof(c)) for c in closed.consts]
     steps: list[_Step] = []
@@ -309,28 +321,25 @@ def _trace(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placements,
         if isinstance(o, jc.Literal):
             raise NotImplementedError("jshard.jit: an output that is a constant")
         out_specs.append(env[o])
-    final_plans = []
-    for i, pin in enumerate(_pins(out_placements, out_tree, len(outs), args)):
-        plan = plan_redistribute(out_specs[i], pin) if pin is not None else None
-        final_plans.append(plan)
-        out_specs[i] = plan.dst if plan is not None else out_specs[i]
-    return _Traced(closed, out_tree, steps, outs, out_specs, final_plans)
+    return _Program(list(closed.jaxpr.invars), steps, outs, out_specs)
 
 
-def _compile(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placements, args) -> Callable:
-    t = _trace(fn, treedef, specs, mesh, out_placements, args)
-    closed, steps, outs, out_specs, out_tree = t.closed, t.steps, t.outs, t.out_specs, t.out_tree
-    finals = [local_program(p) if p is not None and p.steps else None for p in t.final_plans]
-    kernels = [(lambda x: [x]) if st.eqn.primitive is _constrain_p else
-               local_equation(st.eqn.primitive, st.eqn.params, st.choice.ins, st.choice.outs) for st in steps]
-    moves = [[local_program(p) if isinstance(p, Plan) and p.steps else None for (_, _, p) in st.ins] for st in steps]
-    in_vars = list(closed.jaxpr.invars)
-    k = mesh.devices.ndim
+def _local(prog: _Program, pins: list | None = None) -> Callable:
+    """The per-device function of ``prog``: local blocks of its inputs in, of its outputs out (moved to the
+    specs in ``pins`` where given)."""
+    pins = pins or [None] * len(prog.outs)
+    finals = [local_program(plan_redistribute(s, p.placements)) if p is not None and p != s else None
+              for s, p in zip(prog.out_specs, pins)]
+    kernels = [st.kernel or ((lambda x: [x]) if st.eqn.primitive is _constrain_p else
+                             local_equation(st.eqn.primitive, st.eqn.params, st.choice.ins, st.choice.outs))
+               for st in prog.steps]
+    moves = [[local_program(p) if isinstance(p, Plan) and p.steps else None for (_, _, p) in st.ins]
+             for st in prog.steps]
 
-    def body(*blocks):
-        vals = {v: b.reshape(b.shape[k:]) for v, b in zip(in_vars, blocks)}
+    def run(*blocks):
+        vals = dict(zip(prog.in_vars, blocks))
         moved = {}
-        for st, kernel, move in zip(steps, kernels, moves):
+        for st, kernel, move in zip(prog.steps, kernels, moves):
             args = []
             for (kind, x, plan), m, target in zip(st.ins, move, st.choice.ins):
                 if plan is _REUSE:
@@ -343,7 +352,34 @@ def _compile(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placement
             for o, r in zip(st.eqn.outvars, kernel(*args)):
                 if not isinstance(o, jc.DropVar):
                     vals[o] = r
-        results = [m(vals[o]) if m is not None else vals[o] for o, m in zip(outs, finals)]
+        return [m(vals[o]) if m is not None else vals[o] for o, m in zip(prog.outs, finals)]
+
+    return run
+
+
+def _trace(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placements, args) -> _Traced:
+    avals = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in specs]
+    closed = jax.make_jaxpr(lambda *leaves: fn(*jax.tree.unflatten(treedef, leaves)), return_shape=True)
+    closed, out_shape = closed(*avals)
+    out_tree = jax.tree.structure(out_shape)
+    prog = _program(closed, specs, mesh)
+    steps, outs, out_specs = prog.steps, prog.outs, list(prog.out_specs)
+    final_plans = []
+    for i, pin in enumerate(_pins(out_placements, out_tree, len(outs), args)):
+        plan = plan_redistribute(out_specs[i], pin) if pin is not None else None
+        final_plans.append(plan)
+        out_specs[i] = plan.dst if plan is not None else out_specs[i]
+    return _Traced(closed, out_tree, steps, outs, out_specs, final_plans, prog)
+
+
+def _compile(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placements, args) -> Callable:
+    t = _trace(fn, treedef, specs, mesh, out_placements, args)
+    outs, out_specs, out_tree = t.outs, t.out_specs, t.out_tree
+    run = _local(t.program, [p.dst if p is not None else None for p in t.final_plans])
+    k = mesh.devices.ndim
+
+    def body(*blocks):
+        results = run(*[b.reshape(b.shape[k:]) for b in blocks])
         return [r.reshape((1,) * k + r.shape) for r in results]
 
     block = PartitionSpec(*mesh.axis_names)
@@ -356,3 +392,93 @@ def _compile(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placement
 
     call.jitted = program
     return call
+
+
+# ---------------------------------------------------------------------------------------------------
+# control flow: bodies are walked as programs of their own and run as local loops / switches
+
+
+def _unshard_dim0(spec: Spec) -> Spec:
+    """``spec`` with its leading dim whole (a loop slices it per iteration)."""
+    return spec.with_placements([Replicate() if p.is_shard and p.dim == 0 else p for p in spec.placements])
+
+
+def _shift(spec: Spec, shape, delta: int) -> Spec:
+    """The spec of one slice (``delta=-1``) or of a stack (``+1``) of arrays laid out like ``spec``."""
+    moved = [type(p)(p.dim + delta, *([p.split_factor] if p.split_factor != 1 else [])) if p.is_shard else p
+             for p in spec.placements]
+    return Spec.create(spec.mesh, moved, shape, spec.dtype)
+
+
+def _carry_fixpoint(make, init: list[Spec], rounds: int = 3):
+    """Carry specs both the initial value and the body reach: start from the initial specs and follow what the
+    body returns; if that does not settle, keep the initial specs (the body's outputs move back to them)."""
+    carry = list(init)
+    for _ in range(rounds):
+        prog, out = make(carry)
+        if out == carry:
+            return carry, prog
+        carry = out
+    return list(init), make(list(init))[0]
+
+
+def _scan(eqn, specs, mesh):
+    p = eqn.params
+    nc, nk = p["num_consts"], p["num_carry"]
+    body: jc.ClosedJaxpr = p["jaxpr"]
+    consts, init, xs = specs[:nc], specs[nc:nc + nk], [_unshard_dim0(s) for s in specs[nc + nk:]]
+    x_iter = [_shift(s, s.shape[1:], -1) for s in xs]
+
+    def make(carry):
+        prog = _program(body, consts + carry + x_iter, mesh)
+        return prog, prog.out_specs[:nk]
+
+    carry, prog = _carry_fixpoint(make, init)
+    ys = [_shift(s, (p["length"],) + s.shape, +1) for s in prog.out_specs[nk:]]
+    fn = _local(prog, carry + [None] * len(ys))
+
+    def kernel(*blocks):
+        c, k0, x = blocks[:nc], blocks[nc:nc + nk], blocks[nc + nk:]
+        step = lambda k, xi: (lambda o: (o[:nk], o[nk:]))(fn(*c, *k, *xi))
+        k1, y = jax.lax.scan(step, list(k0), list(x), length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+        return list(k1) + list(y)
+
+    return Choice(tuple(consts + carry + xs), tuple(carry + ys), 0.0, None), kernel
+
+
+def _while(eqn, specs, mesh):
+    p = eqn.params
+    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    cconsts, bconsts, init = specs[:cn], specs[cn:cn + bn], specs[cn + bn:]
+
+    def make(carry):
+        prog = _program(p["body_jaxpr"], bconsts + carry, mesh)
+        return prog, prog.out_specs
+
+    carry, body = _carry_fixpoint(make, init)
+    cond = _program(p["cond_jaxpr"], cconsts + carry, mesh)
+    replicated = [s.with_placements((Replicate(),) * mesh.devices.ndim) for s in cond.out_specs]
+    body_fn, cond_fn = _local(body, carry), _local(cond, replicated)  # every device takes the same branch
+
+    def kernel(*blocks):
+        cc, bc, k0 = blocks[:cn], blocks[cn:cn + bn], blocks[cn + bn:]
+        return list(jax.lax.while_loop(lambda k: cond_fn(*cc, *k)[0], lambda k: body_fn(*bc, *k), list(k0)))
+
+    return Choice(tuple(cconsts + bconsts + carry), tuple(carry), 0.0, None), kernel
+
+
+def _cond(eqn, specs, mesh):
+    branches = eqn.params["branches"]
+    index = specs[0].with_placements((Replicate(),) * mesh.devices.ndim)  # every device takes the same branch
+    ops = specs[1:]
+    progs = [_program(b, ops, mesh) for b in branches]
+    outs = progs[0].out_specs  # the other branches' outputs move to the first one's
+    fns = [_local(pr, outs) for pr in progs]
+
+    def kernel(i, *blocks):
+        return list(jax.lax.switch(i, [lambda *a, f=f: f(*a) for f in fns], *blocks))
+
+    return Choice((index, *ops), tuple(outs), 0.0, None), kernel
+
+
+_CONTROL = {"scan": _scan, "while": _while, "cond": _cond}

@@ -185,3 +185,42 @@ def test_explain_lists_the_collectives_of_the_program(pins):
         listed[STABLEHLO[kind]] = listed.get(STABLEHLO[kind], 0) + count
     assert listed == {k: text.count(k) for k in set(STABLEHLO.values()) if text.count(k)}
     assert "test_api.py" in " ".join(r["source"] for r in ex.rows) and str(ex)
+
+
+def test_scan_rnn_forward_and_gradients():
+    def rnn(h0, xs, w, u):
+        def step(h, x):
+            h = jnp.tanh(h @ w + x @ u)
+            return h, h.sum(-1)
+
+        h, ys = jax.lax.scan(step, h0, xs)
+        return jnp.sum(h ** 2) + jnp.sum(ys)
+
+    mesh = make_mesh((2, 4))
+    rng = np.random.default_rng(7)
+    H0, XS, W, U = (rng.normal(size=s).astype(np.float32) * 0.5 for s in [(4, 8), (5, 4, 6), (8, 8), (6, 8)])
+    args = [jshard.distribute(H0, mesh, (Shard(0), R)), jshard.distribute(XS, mesh, (Shard(1), Shard(2))),
+            jshard.distribute(W, mesh, (R, Shard(1))), jshard.distribute(U, mesh, (R, R))]
+    np.testing.assert_allclose(np.asarray(jshard.jit(rnn)(*args).full()), rnn(H0, XS, W, U), rtol=1e-5)
+    grads = jshard.jit(jax.grad(rnn, argnums=(0, 2, 3)))(*args)
+    for g, want in zip(grads, jax.grad(rnn, argnums=(0, 2, 3))(H0, XS, W, U)):
+        np.testing.assert_allclose(np.asarray(g.full()), want, rtol=1e-4, atol=1e-5)
+
+
+def test_while_loop_and_cond():
+    def f(x, w):
+        def body(c):
+            i, h = c
+            return i + 1, jnp.tanh(h @ w)
+
+        _, h = jax.lax.while_loop(lambda c: (c[0] < 3) & (jnp.sum(c[1]) < 100.0), body, (0, x))
+        return jax.lax.cond(jnp.sum(h) > 0, lambda a: a * 2.0, lambda a: a - 1.0, h)
+
+    mesh = make_mesh((2, 2, 2))
+    rng = np.random.default_rng(8)
+    X, W = rng.normal(size=(6, 8)).astype(np.float32), rng.normal(size=(8, 8)).astype(np.float32) * 0.5
+    for px in [(Shard(0), Shard(1), R), (R, R, Partial())]:
+        x = jshard.distribute(X, mesh, px) if not px[2].is_partial else jshard.from_local(
+            [X / 2] * 4 + [X / 2] * 4, mesh, (R, R, Partial()))
+        out = jshard.jit(f)(x, jshard.distribute(W, mesh, (R, Shard(1), R)))
+        np.testing.assert_allclose(np.asarray(out.full()), f(X, W), rtol=1e-5, atol=1e-6)
