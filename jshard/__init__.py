@@ -13,7 +13,7 @@ explicit collectives.
 True
 """
 
-from .api import Explanation, constrain, explain, jit, same_as
+from .api import Explanation, apply, constrain, explain, jit, same_as
 from .cost import AxisCost, CostModel
 from .darray import DArray, distribute, from_jax, from_local
 from .placements import Partial, Placement, PlacementError, Replicate, Shard, StridedShard
@@ -36,6 +36,7 @@ __all__ = [
     "Spec",
     "Step",
     "StridedShard",
+    "apply",
     "constrain",
     "distribute",
     "explain",

@@ -16,11 +16,12 @@ per input specs as ``jax.jit(jax.shard_map(...))`` over block storage.
 ((S(0), S(0)), True)
 
 ``scan`` / ``while`` / ``cond`` bodies are walked as programs of their own (loop carries settle on placements both
-the initial value and the body reach) and run as local loops and switches. Not yet: eager operators.
+the initial value and the body reach) and run as local loops and switches. ``apply`` (and the DArray operators) run single calls eagerly.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +38,7 @@ from .planner import Plan, plan_redistribute
 from .propagate import Choice, select
 from .spec import Spec
 
-__all__ = ["Explanation", "constrain", "explain", "jit", "same_as"]
+__all__ = ["Explanation", "apply", "constrain", "explain", "jit", "same_as"]
 
 # calls whose body runs as it is: followed inline (autodiff already happened when the jaxpr was traced)
 _CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
@@ -85,6 +86,26 @@ def jit(fn: Callable, *, out_placements: Any = None) -> Callable:
 
     run.lower = lower
     return run
+
+
+_APPLIED: dict = {}
+
+
+def apply(f: Callable, *args, **static) -> Any:
+    """Run ``f`` (any JAX function at global shapes) on DArrays eagerly, through a cached single-call program;
+    ``static`` keyword arguments (axes, dtypes, indices) are fixed at trace time. DArray operators use it.
+
+    >>> import jax, jax.numpy as jnp, numpy as np, jshard
+    >>> from jshard import Shard
+    >>> x = jshard.distribute(np.arange(8.0).reshape(4, 2), jax.make_mesh((8,), ("x",)), [Shard(0)])
+    >>> jshard.apply(jnp.sum, x, axis=0).full().tolist()
+    [12.0, 16.0]
+    """
+    key = (f, repr(sorted(static.items())))
+    program = _APPLIED.get(key)
+    if program is None:
+        program = _APPLIED[key] = jit(functools.partial(f, **static) if static else f)
+    return program(*args)
 
 
 @dataclass

@@ -224,3 +224,18 @@ def test_while_loop_and_cond():
             [X / 2] * 4 + [X / 2] * 4, mesh, (R, R, Partial()))
         out = jshard.jit(f)(x, jshard.distribute(W, mesh, (R, Shard(1), R)))
         np.testing.assert_allclose(np.asarray(out.full()), f(X, W), rtol=1e-5, atol=1e-6)
+
+
+def test_eager_operators_match_numpy():
+    mesh = make_mesh((2, 4))
+    rng = np.random.default_rng(9)
+    A, B = rng.normal(size=(6, 8)).astype(np.float32), rng.normal(size=(8, 5)).astype(np.float32)
+    a = jshard.from_local([A / 2] * 8, mesh, (Partial(), R))  # each dp coordinate holds half of A
+    b = jshard.distribute(B, mesh, (R, Shard(1)))
+    c = jshard.distribute(A, mesh, (Shard(0), R))
+    checks = [(a + 1.0, A + 1), (2.0 * a, 2 * A), (a - c, A - A), (c / 2.0, A / 2), (a @ b, A @ B), (-c, -A),
+              (c ** 2, A ** 2), (c > 0, A > 0), (c[1:4, ::2], A[1:4, ::2]), (c.T, A.T), (a.sum(0), A.sum(0)),
+              (c.mean(), A.mean()), (c.max(1), A.max(1)), (a.astype(jnp.int32), A.astype(np.int32)),
+              (c.reshape(3, 16), A.reshape(3, 16))]
+    for got, want in checks:
+        np.testing.assert_allclose(np.asarray(got.full()), want, rtol=1e-5, atol=1e-6)
