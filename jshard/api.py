@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jc
 from jax.sharding import Mesh, PartitionSpec
@@ -236,6 +237,14 @@ class _Step:
     ins: list  # per input: ("var", var, plan | None) or ("lit", value)
     choice: Choice
     kernel: Callable | None = None  # control flow: the loop / switch over local bodies
+    outs: list | None = None  # a fresh key per output (None: dropped); keys, not Vars, name values
+
+
+class _Key:
+    """A value of the walked program. Inlined jaxprs are walked once per call site and share their Var
+    objects (a cached inner jaxpr), so values are named by fresh keys, never by Vars."""
+
+    __slots__ = ()
 
 
 def _walk(jaxpr: jc.Jaxpr, in_vars: list, env: dict, steps: list, mesh: Mesh) -> list:
@@ -245,7 +254,7 @@ def _walk(jaxpr: jc.Jaxpr, in_vars: list, env: dict, steps: list, mesh: Mesh) ->
     def outer(v):
         if isinstance(v, jc.Literal):
             return v
-        return alias.get(v, v)
+        return alias[v]
 
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
@@ -280,15 +289,19 @@ def _walk(jaxpr: jc.Jaxpr, in_vars: list, env: dict, steps: list, mesh: Mesh) ->
             choice, kernel = _CONTROL[name](eqn, specs, mesh)
         else:
             choice = select(eqn.primitive, eqn.params, specs, [o.aval for o in eqn.outvars], consts=consts, mesh=mesh)
-        ins = [(kind, x, None if kind == "lit" or s == t else plan_redistribute(s, t.placements))
+        # constants move like values (R -> P(sum) of a literal: the value on one coordinate)
+        ins = [(kind, x, None if s == t else plan_redistribute(s, t.placements))
                for (kind, x), s, t in zip(ins, specs, choice.ins)]
-        for kind_x_plan, s, t in zip(ins, specs, choice.ins):
-            if kind_x_plan[0] == "lit" and s != t:
-                raise NotImplementedError(f"jshard.jit: a literal input of '{name}' would need {t}")
         steps.append(_Step(eqn, ins, choice, kernel))
+        keys = []
         for o, s in zip(eqn.outvars, choice.outs):
-            if not isinstance(o, jc.DropVar):
-                env[o] = s
+            if isinstance(o, jc.DropVar):
+                keys.append(None)
+            else:
+                keys.append(_Key())
+                alias[o] = keys[-1]
+                env[keys[-1]] = s
+        steps[-1].outs = keys
     return [outer(v) for v in jaxpr.outvars]
 
 
@@ -326,14 +339,14 @@ def _program(closed: jc.ClosedJaxpr, specs: list[Spec], mesh: Mesh) -> _Program:
     live = {o for o in outs if not isinstance(o, jc.Literal)}  # drop dead equations (and their collectives)
     kept = []
     for st in reversed(steps):
-        if st.eqn.effects or any(o in live for o in st.eqn.outvars):
+        if st.eqn.effects or any(o in live for o in st.outs):
             kept.append(st)
             live.update(x for kind, x, _ in st.ins if kind == "var")
     steps = kept[::-1]
     seen = set()  # a value moved to the same spec for several consumers moves once
     for st in steps:
         for i, ((kind, x, plan), target) in enumerate(zip(st.ins, st.choice.ins)):
-            if isinstance(plan, Plan):
+            if isinstance(plan, Plan) and kind == "var":
                 if (x, target) in seen:
                     st.ins[i] = (kind, x, _REUSE)
                 seen.add((x, target))
@@ -366,12 +379,14 @@ def _local(prog: _Program, pins: list | None = None) -> Callable:
                 if plan is _REUSE:
                     args.append(moved[(x, target)])
                     continue
-                a = x if kind == "lit" else vals[x]
+                a = jnp.asarray(x) if kind == "lit" else vals[x]
                 if m is not None:
-                    a = moved[(x, target)] = m(a)
+                    a = m(a)
+                    if kind == "var":
+                        moved[(x, target)] = a
                 args.append(a)
-            for o, r in zip(st.eqn.outvars, kernel(*args)):
-                if not isinstance(o, jc.DropVar):
+            for o, r in zip(st.outs, kernel(*args)):
+                if o is not None:
                     vals[o] = r
         return [m(vals[o]) if m is not None else vals[o] for o, m in zip(prog.outs, finals)]
 

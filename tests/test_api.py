@@ -239,3 +239,19 @@ def test_eager_operators_match_numpy():
               (c.reshape(3, 16), A.reshape(3, 16))]
     for got, want in checks:
         np.testing.assert_allclose(np.asarray(got.full()), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_jitted_helper_called_twice_keeps_its_values_apart():
+    # the inner jaxpr is cached, so both call sites share its Vars: values must not be named by Vars
+    # (the bug: the second call reused the first call's reduced input)
+    inner = jax.jit(lambda a: jnp.exp(a - 1.0))
+
+    def f(x, y):
+        return inner(x).sum() + 10.0 * inner(y * 2.0).sum()
+
+    mesh = make_mesh((2, 4))
+    X = np.arange(12, dtype=np.float32).reshape(3, 4) / 10
+    Y = X[::-1] + 0.5
+    args = [jshard.from_local([X / 8] * 8, mesh, (Partial(), Partial())),
+            jshard.from_local([Y / 8] * 8, mesh, (Partial(), Partial()))]
+    np.testing.assert_allclose(np.asarray(jshard.jit(f)(*args).full()), f(X, Y), rtol=1e-5)
