@@ -21,6 +21,7 @@ test-all: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/propagation.py
+	$(PY) benchmarks/engine.py
 	$(PY) benchmarks/redistribute.py
 
 clean:
