@@ -75,7 +75,7 @@ def select(prim: Any, params: dict, in_specs: Sequence[Spec], out_avals: Sequenc
     model = cost_model or DEFAULT_COST_MODEL
     name = prim if isinstance(prim, str) else prim.name
     consts = _consts_key(consts, len(in_specs))
-    frozen, outs_key = _freeze(params), _avals_key(out_avals)
+    frozen, outs_key = params_key(params), _avals_key(out_avals)
     key = (name, frozen, tuple(in_specs), outs_key, consts, mesh, model)
     hit = _SELECTED.get(key)
     if hit is None:
@@ -124,13 +124,14 @@ def _hashable(v):
         if isinstance(v, (list, tuple)):
             return tuple(map(_hashable, v))
         if isinstance(v, dict):
-            return _freeze(v)
+            return params_key(v)
         if isinstance(v, np.ndarray):
             return ("ndarray", v.shape, str(v.dtype), v.tobytes())
         return ("id", id(v))
 
 
-def _freeze(params: dict) -> tuple:
+def params_key(params: dict) -> tuple:
+    """A hashable key for an equation's params (unhashable values by content or identity)."""
     items = tuple(params.items())  # an equation's params keep their order
     try:
         hash(items)
@@ -224,7 +225,7 @@ class _Selection:
         self.active = tuple(m for m, n in enumerate(self.mesh_shape) if n > 1)
         self.rule = rule_for(name)
         kinds = sorted({p.split_factor for s in in_specs for p in s.placements if p.is_shard})
-        frozen, outs_key = keys if keys is not None else (_freeze(params), _avals_key(out_avals))
+        frozen, outs_key = keys if keys is not None else (params_key(params), _avals_key(out_avals))
         ckey = (name, frozen, tuple((s.shape, s.dtype) for s in in_specs), outs_key, consts, tuple(kinds))
         cached = _COLUMNS.get(ckey)
         if cached is None:

@@ -89,7 +89,6 @@ class Rule:
     strategies: Callable[[tuple, tuple, dict], Sequence[tuple]]
     local: Callable | None = None
     check: Callable | None = None
-    local_uses_out: bool = False
 
 
 _RULES: dict[str, Rule] = {}
@@ -108,7 +107,7 @@ def register(*prims, local: Callable | None = None, check: Callable | None = Non
 
     def deco(fn):
         for p in prims:
-            _RULES[_name(p)] = Rule(_name(p), fn, local, check, local_uses_out=local is not None)
+            _RULES[_name(p)] = Rule(_name(p), fn, local, check)
         return fn
 
     return deco

@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 
 from ..placements import REDUCE_OPS, Partial, Placement, Replicate, Shard
 from ..lowering import local_equation
-from ..propagate import _freeze, offered
+from ..propagate import offered, params_key
 from ..rules.registry import registered, rule_for
 from ..spec import Spec
 
@@ -126,7 +126,7 @@ def collect(names: Iterable[str] | None = None, per_signature: int = 2) -> dict[
             for s in got:
                 if wanted is None or s.prim.name in wanted:
                     sig = (s.prim.name, tuple((np.shape(v), str(v.dtype)) for v in s.values), tuple(s.literal),
-                           _freeze(s.params))
+                           params_key(s.params))
                     if counts.get(sig, 0) < per_signature:
                         counts[sig] = counts.get(sig, 0) + 1
                         found.setdefault(s.prim.name, []).append(s)
