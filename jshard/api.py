@@ -351,10 +351,9 @@ def _program(closed: jc.ClosedJaxpr, specs: list[Spec], mesh: Mesh) -> _Program:
                     st.ins[i] = (kind, x, _REUSE)
                 seen.add((x, target))
     out_specs = []
-    for o in outs:
-        if isinstance(o, jc.Literal):
-            raise NotImplementedError("jshard.jit: an output that is a constant")
-        out_specs.append(env[o])
+    for o in outs:  # a constant output is replicated: every device holds it whole
+        out_specs.append(Spec(mesh, (Replicate(),) * mesh.devices.ndim, tuple(np.shape(o.val)), o.aval.dtype)
+                         if isinstance(o, jc.Literal) else env[o])
     return _Program(list(closed.jaxpr.invars), steps, outs, out_specs)
 
 
@@ -388,7 +387,8 @@ def _local(prog: _Program, pins: list | None = None) -> Callable:
             for o, r in zip(st.outs, kernel(*args)):
                 if o is not None:
                     vals[o] = r
-        return [m(vals[o]) if m is not None else vals[o] for o, m in zip(prog.outs, finals)]
+        outs = [jnp.asarray(o.val, o.aval.dtype) if isinstance(o, jc.Literal) else vals[o] for o in prog.outs]
+        return [m(v) if m is not None else v for v, m in zip(outs, finals)]
 
     return run
 

@@ -255,3 +255,11 @@ def test_a_jitted_helper_called_twice_keeps_its_values_apart():
     args = [jshard.from_local([X / 8] * 8, mesh, (Partial(), Partial())),
             jshard.from_local([Y / 8] * 8, mesh, (Partial(), Partial()))]
     np.testing.assert_allclose(np.asarray(jshard.jit(f)(*args).full()), f(X, Y), rtol=1e-5)
+
+
+def test_constant_and_passthrough_outputs():
+    mesh = make_mesh((8,))
+    x = jshard.distribute(np.arange(8.0, dtype=np.float32), mesh, (Shard(0),))
+    const, same = jshard.jit(lambda a: (jnp.float32(3.0), a))(x)
+    assert const.placements == (R,) and float(const.full()) == 3.0
+    np.testing.assert_array_equal(np.asarray(same.full()), np.arange(8.0))
