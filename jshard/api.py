@@ -22,7 +22,8 @@ the initial value and the body reach) and run as local loops and switches. ``app
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jc
+from jax.extend.source_info_util import summarize
 from jax.sharding import Mesh, PartitionSpec
 
 from .darray import DArray, distribute
@@ -37,9 +39,10 @@ from .lowering import local_equation, local_program
 from .placements import Placement, Replicate
 from .planner import Plan, plan_redistribute
 from .propagate import Choice, select
+from .rules.registry import has_rule, rule_for
 from .spec import Spec
 
-__all__ = ["Explanation", "apply", "constrain", "explain", "jit", "same_as"]
+__all__ = ["Explanation", "Jitted", "apply", "constrain", "explain", "jit", "same_as"]
 
 # calls whose body runs as it is: followed inline (autodiff already happened when the jaxpr was traced)
 _CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
@@ -54,39 +57,153 @@ class same_as:  # noqa: N801 - reads as a function in out_placements
     argnum: int
 
 
-def jit(fn: Callable, *, out_placements: Any = None) -> Callable:
+def jit(fn: Callable, *, out_placements: Any = None, static_argnums: int | Sequence[int] = (),
+        donate_argnums: int | Sequence[int] = ()) -> Jitted:
     """Compile ``fn`` (global-shape JAX code) for DArray arguments; plain arrays and scalars are Replicate.
 
     Returns DArrays. ``out_placements`` pins outputs: a pytree prefix of the outputs whose leaves are a
-    placement tuple, ``same_as(argnum)`` or None (free). Compiled programs are cached by the arguments'
-    specs and tree structure; ``.lower(*args)`` gives the lowered program (for its HLO).
+    placement tuple, ``same_as(argnum)`` or None (free). ``static_argnums`` are fixed at trace time (hashable
+    Python values: sizes, flags, modes), ``donate_argnums`` hand their arguments' storage to the outputs (the
+    donated DArrays are deleted). Compiled programs are cached by the arguments' specs, tree structure and
+    static values: a repeated call does no tracing. ``.lower(*args)`` gives the lowered program (for its HLO),
+    ``.explain(*args)`` the plan.
+
+    >>> import jax, jax.numpy as jnp, numpy as np, jshard
+    >>> from jshard import Shard
+    >>> x = jshard.distribute(np.arange(8.0), jax.make_mesh((8,), ("x",)), [Shard(0)])
+    >>> power = jshard.jit(lambda x, n: x ** n, static_argnums=1)
+    >>> power(x, 2).full().tolist()[:4], power(x, 3).placements
+    ([0.0, 1.0, 4.0, 9.0], (S(0),))
     """
-    cache: dict = {}
+    return Jitted(fn, out_placements, _argnums(static_argnums, "static_argnums"),
+                  _argnums(donate_argnums, "donate_argnums"))
 
-    def prepare(args):
-        leaves, treedef = jax.tree.flatten(args, is_leaf=lambda a: isinstance(a, DArray))
-        mesh = next((a.mesh for a in leaves if isinstance(a, DArray)), None)
-        if mesh is None:
-            raise ValueError("jshard.jit: no DArray among the arguments, so there is no mesh to run on; "
-                             "distribute one input with jshard.distribute(x, mesh, placements)")
-        darrays = [a if isinstance(a, DArray) else distribute(np.asarray(a), mesh, (Replicate(),) * mesh.devices.ndim)
-                   for a in leaves]
-        key = (treedef, tuple(d.spec for d in darrays))
-        program = cache.get(key)
-        if program is None:
-            program = cache[key] = _compile(fn, treedef, [d.spec for d in darrays], mesh, out_placements, args)
-        return program, darrays
 
-    def run(*args):
-        program, darrays = prepare(args)
+class Jitted:
+    """What ``jshard.jit`` returns: call it like the function; ``.lower`` and ``.explain`` take the same
+    arguments."""
+
+    def __init__(self, fn: Callable, out_placements: Any, static: tuple[int, ...], donate: tuple[int, ...]):
+        if set(static) & set(donate):
+            raise ValueError(f"jshard.jit: argument(s) {sorted(set(static) & set(donate))} are both in static_argnums "
+                             f"{static} and donate_argnums {donate}; a static value has no storage to donate")
+        self.fn, self.out_placements, self.static, self.donate = fn, out_placements, static, donate
+        self._cache: dict = {}
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs) -> Any:
+        program, darrays = self._prepare(args, kwargs)
         return program(darrays)
 
-    def lower(*args):
-        program, darrays = prepare(args)
+    def lower(self, *args, **kwargs) -> Any:
+        """The lowered ``jax.jit`` program for these arguments (``.as_text()``, ``.compile()``)."""
+        program, darrays = self._prepare(args, kwargs)
         return program.jitted.lower(*[d.block for d in darrays])
 
-    run.lower = lower
-    return run
+    def explain(self, *args, **kwargs) -> Explanation:
+        """The plan these arguments would run with, as data (see ``jshard.explain``)."""
+        dyn, statics = self._split(args)
+        leaves, treedef = jax.tree.flatten((dyn, kwargs), is_leaf=_is_darray)
+        mesh = _mesh_of(leaves)
+        specs = [a.spec if isinstance(a, DArray) else
+                 Spec.create(mesh, (Replicate(),) * mesh.devices.ndim, np.shape(a), _dtype_of(a)) for a in leaves]
+        return _explanation(_trace(self._flat_fn(args), treedef, specs, mesh, self.out_placements, args,
+                                   list(map(_is_weak, leaves))))
+
+    def _split(self, args):
+        n = len(args)
+        static = {i % n if n else i for i in self.static}
+        if any(i >= n for i in static):
+            raise ValueError(f"jshard.jit: static_argnums {self.static} name arguments that were not passed "
+                             f"(got {n} positional arguments)")
+        return tuple(a for i, a in enumerate(args) if i not in static), tuple((i, args[i]) for i in sorted(static))
+
+    def _flat_fn(self, args):
+        """``fn`` of (dynamic args, kwargs), with the static values of this call put back in place."""
+        _, statics = self._split(args)
+
+        def flat(dyn, kwargs):
+            full, it = [], iter(dyn)
+            fixed = dict(statics)
+            for i in range(len(dyn) + len(statics)):
+                full.append(fixed[i] if i in fixed else next(it))
+            return self.fn(*full, **kwargs)
+
+        return flat
+
+    def _prepare(self, args, kwargs):
+        dyn, statics = self._split(args) if self.static else (args, ())
+        leaves, treedef = jax.tree.flatten((dyn, kwargs), is_leaf=_is_darray)
+        specs = tuple(a.spec if isinstance(a, DArray) else None for a in leaves)
+        key = (treedef, specs, statics) if None not in specs else None
+        try:
+            program = self._cache.get(key)
+        except TypeError:
+            bad = [i for i, v in statics if not _hashable(v)]
+            raise TypeError(f"jshard.jit: static argument(s) {bad} of {getattr(self.fn, '__name__', self.fn)} are not "
+                            f"hashable ({', '.join(type(dict(statics)[i]).__name__ for i in bad)}); static_argnums "
+                            "values must be hashable (tuples, not lists or arrays)") from None
+        if program is not None:
+            return program, leaves
+        mesh = _mesh_of(leaves)
+        darrays = [a if isinstance(a, DArray) else distribute(np.asarray(a, _dtype_of(a)), mesh,
+                                                              (Replicate(),) * mesh.devices.ndim) for a in leaves]
+        weak = tuple(map(_is_weak, leaves))
+        key = (treedef, tuple(d.spec for d in darrays), statics) + ((weak,) if any(weak) else ())
+        program = self._cache.get(key)
+        if program is None:
+            donated = self._donated(args, kwargs)
+            program = self._cache[key] = _compile(self._flat_fn(args), treedef, [d.spec for d in darrays], mesh,
+                                                  self.out_placements, args, donated, weak)
+        return program, darrays
+
+    def _donated(self, args, kwargs) -> tuple[int, ...]:
+        """Positions among the flat leaves of the donated arguments' leaves."""
+        out, pos = [], 0
+        dyn_positions = [i for i in range(len(args)) if i not in {j % len(args) for j in self.static}]
+        for i in dyn_positions:
+            n = len(jax.tree.leaves(args[i], is_leaf=_is_darray))
+            if i in {j % len(args) for j in self.donate}:
+                out.extend(range(pos, pos + n))
+            pos += n
+        return tuple(out)
+
+
+def _is_darray(a) -> bool:
+    return isinstance(a, DArray)
+
+
+def _is_weak(a) -> bool:
+    """Python numbers are weakly typed in JAX: ``x * 2.0`` keeps ``x``'s dtype."""
+    return type(a) in (int, float, complex)
+
+
+def _hashable(v) -> bool:
+    try:
+        hash(v)
+        return True
+    except TypeError:
+        return False
+
+
+def _dtype_of(a):
+    """The dtype JAX gives a plain argument (Python floats are float32 unless x64 is on)."""
+    return jax.dtypes.canonicalize_dtype(jnp.result_type(a))
+
+
+def _mesh_of(leaves) -> Mesh:
+    mesh = next((a.mesh for a in leaves if isinstance(a, DArray)), None)
+    if mesh is None:
+        raise ValueError("jshard.jit: no DArray among the arguments, so there is no mesh to run on; "
+                         "distribute one input with jshard.distribute(x, mesh, placements)")
+    return mesh
+
+
+def _argnums(nums, name: str) -> tuple[int, ...]:
+    nums = (nums,) if isinstance(nums, int) else tuple(nums)
+    if not all(isinstance(i, int) for i in nums):
+        raise TypeError(f"jshard.jit: {name} must be an int or a sequence of ints, got {nums!r}")
+    return nums
 
 
 _APPLIED: dict = {}
@@ -130,8 +247,10 @@ class Explanation:
         return "\n".join(lines)
 
 
-def explain(fn: Callable, *args, out_placements: Any = None) -> Explanation:
-    """The plan ``jshard.jit(fn, out_placements=...)`` would run on ``args``, as data (nothing compiles).
+def explain(fn: Callable, *args, out_placements: Any = None, static_argnums: int | Sequence[int] = ()) -> Explanation:
+    """The plan ``jshard.jit(fn, out_placements=..., static_argnums=...)`` would run on ``args``, as data (nothing
+    compiles). Equations inside ``scan`` / ``while`` / ``cond`` bodies are listed under their loop or branch,
+    once each (as they appear in the compiled program), with the moves of loop carries and branch results.
 
     >>> import jax, jax.numpy as jnp, numpy as np, jshard
     >>> from jshard import Shard, Replicate
@@ -139,13 +258,10 @@ def explain(fn: Callable, *args, out_placements: Any = None) -> Explanation:
     >>> jshard.explain(lambda x: jnp.exp(x.sum(0)), x).totals
     {'all_reduce': (1, 16)}
     """
-    leaves, treedef = jax.tree.flatten(args, is_leaf=lambda a: isinstance(a, DArray))
-    mesh = next(a.mesh for a in leaves if isinstance(a, DArray))
-    specs = [a.spec if isinstance(a, DArray) else
-             Spec.create(mesh, (Replicate(),) * mesh.devices.ndim, np.shape(a), np.asarray(a).dtype) for a in leaves]
-    t = _trace(fn, treedef, specs, mesh, out_placements, args)
-    from jax.extend.source_info_util import summarize
+    return jit(fn, out_placements=out_placements, static_argnums=static_argnums).explain(*args)
 
+
+def _explanation(t: _Traced) -> Explanation:
     rows, totals = [], {}
 
     def moves_of(i, plan):
@@ -156,14 +272,19 @@ def explain(fn: Callable, *args, out_placements: Any = None) -> Explanation:
             totals[step.kind] = (c + step.count, b + int(step.bytes))
         return out
 
-    for st in t.steps:
-        moves = [m for i, (_, _, plan) in enumerate(st.ins) for m in moves_of(i, plan)]
-        rows.append(dict(primitive=st.eqn.primitive.name, source=summarize(st.eqn.source_info),
-                         ins=list(st.choice.ins), outs=list(st.choice.outs), moves=moves))
-    for j, plan in enumerate(t.final_plans):
-        if plan is not None and plan.collectives:
-            rows.append(dict(primitive="(output pin)", source=f"output {j}", ins=[plan.src], outs=[plan.dst],
-                             moves=moves_of(0, plan)))
+    def walk(prog: _Program, pins: list, where: str):
+        for st in prog.steps:
+            moves = [m for i, (_, _, plan) in enumerate(st.ins) for m in moves_of(i, plan)]
+            rows.append(dict(primitive=where + st.eqn.primitive.name, source=st.source,
+                             ins=list(st.choice.ins), outs=list(st.choice.outs), moves=moves))
+            for label, body, body_pins in st.bodies:
+                walk(body, body_pins, f"{where}{st.eqn.primitive.name} {label} | ")
+        for j, plan in enumerate(_out_plans(prog, pins)):
+            if plan is not None and plan.collectives:
+                rows.append(dict(primitive=where + ("(output pin)" if not where else "(result move)"),
+                                 source=f"output {j}", ins=[plan.src], outs=[plan.dst], moves=moves_of(0, plan)))
+
+    walk(t.program, t.pins, "")
     return Explanation(rows, totals)
 
 
@@ -234,10 +355,17 @@ _REUSE = "reuse"  # the input was already moved to this spec for an earlier cons
 @dataclass
 class _Step:
     eqn: jc.JaxprEqn
-    ins: list  # per input: ("var", var, plan | None) or ("lit", value)
+    ins: list  # per input: ("var", key, plan | None) or ("lit", value, plan | None)
     choice: Choice
     kernel: Callable | None = None  # control flow: the loop / switch over local bodies
     outs: list | None = None  # a fresh key per output (None: dropped); keys, not Vars, name values
+    bodies: tuple = ()  # control flow: (label, _Program, pins) per body, for explain
+    site: Any = None  # the source of the innermost call with a user frame (a library jit's body has none)
+
+    @property
+    def source(self) -> str:
+        """The user's line that made this equation."""
+        return summarize(self.eqn.source_info) or (summarize(self.site) if self.site is not None else "")
 
 
 class _Key:
@@ -247,8 +375,9 @@ class _Key:
     __slots__ = ()
 
 
-def _walk(jaxpr: jc.Jaxpr, in_vars: list, env: dict, steps: list, mesh: Mesh) -> list:
-    """Propagate specs through ``jaxpr`` whose invars are bound to ``in_vars`` (outer vars or literals)."""
+def _walk(jaxpr: jc.Jaxpr, in_vars: list, env: dict, steps: list, mesh: Mesh, site=None) -> list:
+    """Propagate specs through ``jaxpr`` whose invars are bound to ``in_vars`` (outer vars or literals);
+    ``site`` is the source info of the call being inlined."""
     alias: dict = dict(zip(jaxpr.invars, in_vars))
 
     def outer(v):
@@ -264,7 +393,8 @@ def _walk(jaxpr: jc.Jaxpr, in_vars: list, env: dict, steps: list, mesh: Mesh) ->
             inner_jaxpr = inner.jaxpr if isinstance(inner, jc.ClosedJaxpr) else inner
             consts = list(inner.consts) if isinstance(inner, jc.ClosedJaxpr) else []
             const_vars = [jc.Literal(c, jax.typeof(c)) for c in consts]
-            outs = _walk_closed(inner_jaxpr, const_vars, [outer(v) for v in eqn.invars], env, steps, mesh)
+            here = eqn.source_info if summarize(eqn.source_info) else site
+            outs = _walk_closed(inner_jaxpr, const_vars, [outer(v) for v in eqn.invars], env, steps, mesh, here)
             for o, r in zip(eqn.outvars, outs):
                 if not isinstance(o, jc.DropVar):
                     alias[o] = r
@@ -281,18 +411,20 @@ def _walk(jaxpr: jc.Jaxpr, in_vars: list, env: dict, steps: list, mesh: Mesh) ->
                 specs.append(env[v])
                 consts.append(None)
                 ins.append(("var", v))
-        kernel = None
+        kernel, bodies = None, ()
         if eqn.primitive is _constrain_p:
             target = specs[0].with_placements(eqn.params["placements"], where="jshard.constrain")
             choice = Choice((target,), (target,), 0.0, None)
         elif name in _CONTROL:
-            choice, kernel = _CONTROL[name](eqn, specs, mesh)
+            choice, kernel, bodies = _CONTROL[name](eqn, specs, mesh)
         else:
+            if not has_rule(eqn.primitive):  # the warning names the user's line
+                rule_for(eqn.primitive, _Step(eqn, [], None, site=site).source)
             choice = select(eqn.primitive, eqn.params, specs, [o.aval for o in eqn.outvars], consts=consts, mesh=mesh)
         # constants move like values (R -> P(sum) of a literal: the value on one coordinate)
         ins = [(kind, x, None if s == t else plan_redistribute(s, t.placements))
                for (kind, x), s, t in zip(ins, specs, choice.ins)]
-        steps.append(_Step(eqn, ins, choice, kernel))
+        steps.append(_Step(eqn, ins, choice, kernel, bodies=bodies, site=site))
         keys = []
         for o, s in zip(eqn.outvars, choice.outs):
             if isinstance(o, jc.DropVar):
@@ -305,20 +437,9 @@ def _walk(jaxpr: jc.Jaxpr, in_vars: list, env: dict, steps: list, mesh: Mesh) ->
     return [outer(v) for v in jaxpr.outvars]
 
 
-def _walk_closed(jaxpr, const_vars, args, env, steps, mesh):
+def _walk_closed(jaxpr, const_vars, args, env, steps, mesh, site=None):
     return _walk(jaxpr.replace(invars=list(jaxpr.constvars) + list(jaxpr.invars), constvars=[]),
-                 list(const_vars) + list(args), env, steps, mesh)
-
-
-@dataclass
-class _Traced:
-    closed: jc.ClosedJaxpr
-    out_tree: Any
-    steps: list
-    outs: list
-    out_specs: list
-    final_plans: list
-    program: _Program
+                 list(const_vars) + list(args), env, steps, mesh, site)
 
 
 @dataclass
@@ -329,6 +450,22 @@ class _Program:
     steps: list
     outs: list
     out_specs: list
+
+    @property
+    def cost(self) -> float:
+        """Estimated µs of communication (loops weighted by their trip counts)."""
+        return sum(st.choice.cost for st in self.steps)
+
+
+@dataclass
+class _Traced:
+    out_tree: Any
+    program: _Program
+    pins: list  # per output: the spec it is moved to, or None
+
+    @property
+    def out_specs(self) -> list[Spec]:
+        return [p or s for s, p in zip(self.program.out_specs, self.pins)]
 
 
 def _program(closed: jc.ClosedJaxpr, specs: list[Spec], mesh: Mesh) -> _Program:
@@ -357,12 +494,16 @@ def _program(closed: jc.ClosedJaxpr, specs: list[Spec], mesh: Mesh) -> _Program:
     return _Program(list(closed.jaxpr.invars), steps, outs, out_specs)
 
 
+def _out_plans(prog: _Program, pins: list) -> list:
+    """Per output of ``prog``: the plan moving it to its pinned spec, or None."""
+    return [plan_redistribute(s, p.placements) if p is not None and p != s else None
+            for s, p in zip(prog.out_specs, pins)]
+
+
 def _local(prog: _Program, pins: list | None = None) -> Callable:
     """The per-device function of ``prog``: local blocks of its inputs in, of its outputs out (moved to the
     specs in ``pins`` where given)."""
-    pins = pins or [None] * len(prog.outs)
-    finals = [local_program(plan_redistribute(s, p.placements)) if p is not None and p != s else None
-              for s, p in zip(prog.out_specs, pins)]
+    finals = [local_program(p) if p is not None else None for p in _out_plans(prog, pins or [None] * len(prog.outs))]
     kernels = [st.kernel or ((lambda x: [x]) if st.eqn.primitive is _constrain_p else
                              local_equation(st.eqn.primitive, st.eqn.params, st.choice.ins, st.choice.outs))
                for st in prog.steps]
@@ -393,25 +534,25 @@ def _local(prog: _Program, pins: list | None = None) -> Callable:
     return run
 
 
-def _trace(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placements, args) -> _Traced:
-    avals = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in specs]
+def _trace(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placements, args, weak=None) -> _Traced:
+    """Trace ``fn`` (called with the unflattened leaves) at global shapes and walk it; ``weak`` marks Python
+    scalars, which JAX types weakly (``x * 2.0`` keeps ``x``'s dtype)."""
+    weak = weak or [False] * len(specs)
+    avals = [jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=w) for s, w in zip(specs, weak)]
     closed = jax.make_jaxpr(lambda *leaves: fn(*jax.tree.unflatten(treedef, leaves)), return_shape=True)
     closed, out_shape = closed(*avals)
     out_tree = jax.tree.structure(out_shape)
     prog = _program(closed, specs, mesh)
-    steps, outs, out_specs = prog.steps, prog.outs, list(prog.out_specs)
-    final_plans = []
-    for i, pin in enumerate(_pins(out_placements, out_tree, len(outs), args)):
-        plan = plan_redistribute(out_specs[i], pin) if pin is not None else None
-        final_plans.append(plan)
-        out_specs[i] = plan.dst if plan is not None else out_specs[i]
-    return _Traced(closed, out_tree, steps, outs, out_specs, final_plans, prog)
+    pins = [None if pin is None else prog.out_specs[i].with_placements(pin, where=f"out_placements (output {i})")
+            for i, pin in enumerate(_pins(out_placements, out_tree, len(prog.outs), args))]
+    return _Traced(out_tree, prog, pins)
 
 
-def _compile(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placements, args) -> Callable:
-    t = _trace(fn, treedef, specs, mesh, out_placements, args)
-    outs, out_specs, out_tree = t.outs, t.out_specs, t.out_tree
-    run = _local(t.program, [p.dst if p is not None else None for p in t.final_plans])
+def _compile(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placements, args, donated=(), weak=None
+             ) -> Callable:
+    t = _trace(fn, treedef, specs, mesh, out_placements, args, weak)
+    out_specs, out_tree = t.out_specs, t.out_tree
+    run = _local(t.program, t.pins)
     k = mesh.devices.ndim
 
     def body(*blocks):
@@ -420,7 +561,7 @@ def _compile(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placement
 
     block = PartitionSpec(*mesh.axis_names)
     program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(block,) * len(specs),
-                                    out_specs=[block] * len(outs), check_vma=False))
+                                    out_specs=[block] * len(out_specs), check_vma=False), donate_argnums=donated)
 
     def call(darrays: list[DArray]) -> Any:
         blocks = program(*[d.block for d in darrays])
@@ -432,6 +573,8 @@ def _compile(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placement
 
 # ---------------------------------------------------------------------------------------------------
 # control flow: bodies are walked as programs of their own and run as local loops / switches
+
+_WHILE_TRIPS = 8  # a while loop's trip count is unknown when the plan is made: assume a few
 
 
 def _unshard_dim0(spec: Spec) -> Spec:
@@ -446,16 +589,33 @@ def _shift(spec: Spec, shape, delta: int) -> Spec:
     return Spec.create(spec.mesh, moved, shape, spec.dtype)
 
 
-def _carry_fixpoint(make, init: list[Spec], rounds: int = 3):
-    """Carry specs both the initial value and the body reach: start from the initial specs and follow what the
-    body returns; if that does not settle, keep the initial specs (the body's outputs move back to them)."""
-    carry = list(init)
-    for _ in range(rounds):
+def _move_cost(src: list[Spec], dst: list[Spec]) -> float:
+    total = 0.0
+    for s, t in zip(src, dst):
+        if s != t:
+            try:
+                total += plan_redistribute(s, t.placements).cost
+            except ValueError:  # no way there (a Partial of another kind): never chosen
+                return math.inf
+    return total
+
+
+def _settle_carry(make, init: list[Spec], trips: int, rounds: int = 3):
+    """Loop-carry specs at least cost. ``make(carry)`` walks the body with the carry at ``carry`` and returns
+    ``(program, carry specs it returns)``. Candidates: the initial specs and each spec set the body reaches
+    from them (until it settles); each costs the move of the initial value there plus, per trip, the body's
+    own communication and the move of the body's result back to it."""
+    best, carry, tried = None, list(init), []
+    for _ in range(rounds + 1):
+        if carry in tried:
+            break
+        tried.append(carry)
         prog, out = make(carry)
-        if out == carry:
-            return carry, prog
-        carry = out
-    return list(init), make(list(init))[0]
+        cost = _move_cost(init, carry) + trips * (prog.cost + _move_cost(out, carry))
+        if best is None or cost < best[0]:
+            best = (cost, carry, prog)
+        carry = list(out)
+    return best
 
 
 def _scan(eqn, specs, mesh):
@@ -469,9 +629,10 @@ def _scan(eqn, specs, mesh):
         prog = _program(body, consts + carry + x_iter, mesh)
         return prog, prog.out_specs[:nk]
 
-    carry, prog = _carry_fixpoint(make, init)
+    cost, carry, prog = _settle_carry(make, init, p["length"])
     ys = [_shift(s, (p["length"],) + s.shape, +1) for s in prog.out_specs[nk:]]
-    fn = _local(prog, carry + [None] * len(ys))
+    pins = carry + [None] * len(ys)
+    fn = _local(prog, pins)
 
     def kernel(*blocks):
         c, k0, x = blocks[:nc], blocks[nc:nc + nk], blocks[nc + nk:]
@@ -479,7 +640,8 @@ def _scan(eqn, specs, mesh):
         k1, y = jax.lax.scan(step, list(k0), list(x), length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
         return list(k1) + list(y)
 
-    return Choice(tuple(consts + carry + xs), tuple(carry + ys), 0.0, None), kernel
+    ins = consts + carry + xs
+    return Choice(tuple(ins), tuple(carry + ys), cost + _move_cost(specs, ins), None), kernel, (("body", prog, pins),)
 
 
 def _while(eqn, specs, mesh):
@@ -491,7 +653,7 @@ def _while(eqn, specs, mesh):
         prog = _program(p["body_jaxpr"], bconsts + carry, mesh)
         return prog, prog.out_specs
 
-    carry, body = _carry_fixpoint(make, init)
+    cost, carry, body = _settle_carry(make, init, _WHILE_TRIPS)
     cond = _program(p["cond_jaxpr"], cconsts + carry, mesh)
     replicated = [s.with_placements((Replicate(),) * mesh.devices.ndim) for s in cond.out_specs]
     body_fn, cond_fn = _local(body, carry), _local(cond, replicated)  # every device takes the same branch
@@ -500,7 +662,10 @@ def _while(eqn, specs, mesh):
         cc, bc, k0 = blocks[:cn], blocks[cn:cn + bn], blocks[cn + bn:]
         return list(jax.lax.while_loop(lambda k: cond_fn(*cc, *k)[0], lambda k: body_fn(*bc, *k), list(k0)))
 
-    return Choice(tuple(cconsts + bconsts + carry), tuple(carry), 0.0, None), kernel
+    ins = cconsts + bconsts + carry
+    cost += _WHILE_TRIPS * (cond.cost + _move_cost(cond.out_specs, replicated)) + _move_cost(specs, ins)
+    return (Choice(tuple(ins), tuple(carry), cost, None), kernel,
+            (("cond", cond, replicated), ("body", body, carry)))
 
 
 def _cond(eqn, specs, mesh):
@@ -508,13 +673,19 @@ def _cond(eqn, specs, mesh):
     index = specs[0].with_placements((Replicate(),) * mesh.devices.ndim)  # every device takes the same branch
     ops = specs[1:]
     progs = [_program(b, ops, mesh) for b in branches]
-    outs = progs[0].out_specs  # the other branches' outputs move to the first one's
+    # each output settles where moving every branch's result costs least (ties: the first branch's)
+    outs = []
+    for j in range(len(progs[0].out_specs)):
+        results = [pr.out_specs[j] for pr in progs]
+        outs.append(min(results, key=lambda t: _move_cost(results, [t] * len(results))))
     fns = [_local(pr, outs) for pr in progs]
 
     def kernel(i, *blocks):
         return list(jax.lax.switch(i, [lambda *a, f=f: f(*a) for f in fns], *blocks))
 
-    return Choice((index, *ops), tuple(outs), 0.0, None), kernel
+    cost = _move_cost(specs[:1], [index]) + max(pr.cost + _move_cost(pr.out_specs, outs) for pr in progs)
+    return (Choice((index, *ops), tuple(outs), cost, None), kernel,
+            tuple((f"branch {b}", pr, outs) for b, pr in enumerate(progs)))
 
 
 _CONTROL = {"scan": _scan, "while": _while, "cond": _cond}

@@ -263,3 +263,108 @@ def test_constant_and_passthrough_outputs():
     const, same = jshard.jit(lambda a: (jnp.float32(3.0), a))(x)
     assert const.placements == (R,) and float(const.full()) == 3.0
     np.testing.assert_array_equal(np.asarray(same.full()), np.arange(8.0))
+
+
+def test_static_and_donated_arguments():
+    mesh = make_mesh((2, 4))
+    X = np.arange(32.0, dtype=np.float32).reshape(8, 4)
+    x = jshard.distribute(X, mesh, (Shard(0), R))
+    calls = []
+
+    def f(x, n, axis):
+        calls.append(n)
+        return jnp.sum(x ** n, axis=axis)
+
+    g = jshard.jit(f, static_argnums=(1, 2))
+    for n, axis in [(2, 0), (3, 1), (2, 0)]:
+        np.testing.assert_allclose(np.asarray(g(x, n, axis).full()), np.sum(X ** n, axis=axis), rtol=1e-6)
+    assert calls == [2, 3]  # one trace per static value, none for the repeat
+    with pytest.raises(TypeError, match=r"static argument\(s\) \[2\].*not hashable \(list\)"):
+        g(x, 2, [0])
+    with pytest.raises(ValueError, match="both in static_argnums"):
+        jshard.jit(f, static_argnums=1, donate_argnums=1)
+    assert g.explain(x, 2, 0).rows[-1]["outs"][0].placements == (Partial(), R)  # explain takes the same arguments
+    assert jshard.explain(f, x, 2, 0, static_argnums=(1, 2), out_placements=(R, R)).totals == {"all_reduce": (1, 16)}
+
+    step = jshard.jit(lambda p, d: jax.tree.map(lambda a, b: a - b, p, d), donate_argnums=0)
+    params = {"w": jshard.distribute(X, mesh, (Shard(0), R)), "b": jshard.distribute(X[0], mesh, (R, Shard(0)))}
+    new = step(params, {"w": 1.0, "b": 2.0})
+    np.testing.assert_array_equal(np.asarray(new["w"].full()), X - 1)
+    np.testing.assert_array_equal(np.asarray(new["b"].full()), X[0] - 2)
+    with pytest.raises(RuntimeError, match="deleted"):  # the donated storage now belongs to the outputs
+        params["w"].full()
+
+
+def test_python_scalars_are_weakly_typed_like_in_jax():
+    mesh = make_mesh((8,))
+    x = jshard.distribute(np.arange(8.0).astype(jnp.bfloat16), mesh, (Shard(0),))
+    y = jshard.jit(lambda a, c: a * c)(x, 3.0)
+    assert y.dtype == jnp.bfloat16  # a float32 scalar would promote the product
+    np.testing.assert_array_equal(np.asarray(y.full(), np.float32), np.arange(8.0) * 3)
+
+
+def test_a_primitive_without_a_rule_warns_once_with_the_source_line(monkeypatch):
+    from jshard.rules import registry
+
+    monkeypatch.delitem(registry._RULES, "cumsum")
+    monkeypatch.setattr(registry, "_WARNED", set())
+    mesh = make_mesh((8,))
+    X = np.arange(16.0, dtype=np.float32)
+    x = jshard.distribute(X, mesh, (Shard(0),))
+    jshard.propagate.clear_caches()
+    try:
+        with pytest.warns(UserWarning, match=r"no sharding rule for primitive 'cumsum' \(at .*test_api.py:\d+"):
+            out = jshard.jit(lambda a: jnp.cumsum(a) * 2)(x)
+    finally:
+        jshard.propagate.clear_caches()
+    np.testing.assert_allclose(np.asarray(out.full()), np.cumsum(X) * 2)
+
+
+def _count_stablehlo(text):
+    import re
+    from collections import Counter
+
+    return Counter(re.findall(r"stablehlo\.(all_gather|all_reduce|reduce_scatter|all_to_all|collective_permute)", text))
+
+
+def test_explain_lists_collectives_inside_loops_and_branches():
+    def f(x, w):
+        def body(c):
+            i, h = c
+            return i + 1, jnp.tanh(h @ w)
+
+        _, h = jax.lax.while_loop(lambda c: (c[0] < 3) & (jnp.sum(c[1]) < 100.0), body, (0, x))
+        h, ys = jax.lax.scan(lambda c, _: (c * 0.5 + c.sum(0), c.max()), h, None, length=2)
+        return jax.lax.cond(jnp.sum(h) > 0, lambda a: a * 2.0, lambda a: a.sum(0, keepdims=True) - a, h) + ys.sum()
+
+    mesh = make_mesh((2, 4))
+    rng = np.random.default_rng(11)
+    X, W = rng.normal(size=(8, 4)).astype(np.float32), rng.normal(size=(4, 4)).astype(np.float32) * 0.5
+    args = [jshard.distribute(X, mesh, (Shard(0), R)), jshard.distribute(W, mesh, (R, Shard(0)))]
+    ex = jshard.explain(f, *args)
+    prims = [r["primitive"] for r in ex.rows]
+    assert any(p.startswith("while body | dot_general") for p in prims)
+    assert any(p.startswith("scan body | ") for p in prims) and any(p.startswith("cond branch 1 | ") for p in prims)
+    listed = {k.replace("permute", "collective_permute").replace("exchange", "collective_permute"): c
+              for k, (c, _) in ex.totals.items()}
+    assert listed and listed == dict(_count_stablehlo(jshard.jit(f).lower(*args).as_text()))
+    np.testing.assert_allclose(np.asarray(jshard.jit(f)(*args).full()), f(X, W), rtol=1e-5, atol=1e-5)
+
+
+def test_loop_carry_settles_where_the_body_needs_no_communication():
+    # the carry comes in replicated, but the body keeps producing a row-sharded value: carrying it sharded
+    # costs one scatter before the loop instead of a gather on every trip
+    def f(h, w):
+        return jax.lax.scan(lambda c, _: (jnp.tanh(c @ w), None), h, None, length=6)[0]
+
+    mesh = make_mesh((8,))
+    rng = np.random.default_rng(12)
+    H, W = rng.normal(size=(16, 8)).astype(np.float32), rng.normal(size=(8, 8)).astype(np.float32) * 0.3
+    args = [jshard.distribute(H, mesh, (R,)), jshard.distribute(W, mesh, (R,))]
+    x = jshard.from_local([H / 8] * 8, mesh, (Partial(),))  # a Partial carry: reduce-scattered once up front
+    for a in (args[0], x):
+        ex = jshard.explain(f, a, args[1])
+        out = jshard.jit(f)(a, args[1])
+        np.testing.assert_allclose(np.asarray(out.full()), f(H, W), rtol=1e-5, atol=1e-6)
+        body = [r for r in ex.rows if r["primitive"].startswith("scan body")]
+        assert body and not any(r["moves"] for r in body)  # nothing moves inside the loop

@@ -113,18 +113,24 @@ def register(*prims, local: Callable | None = None, check: Callable | None = Non
     return deco
 
 
-def rule_for(prim: Any) -> Rule | None:
-    """The rule of a primitive, or None (one warning per primitive: it will run replicated)."""
+def rule_for(prim: Any, source: str | None = None) -> Rule | None:
+    """The rule of a primitive, or None (one warning per primitive: it will run replicated). ``source`` (the
+    user's line that made the equation) goes into the warning."""
     name = _name(prim)
     rule = _RULES.get(name)
     if rule is None and name not in _WARNED:
         _WARNED.add(name)
+        where = f" (at {source})" if source else ""
         warnings.warn(
-            f"jshard has no sharding rule for primitive '{name}': its inputs are replicated and it runs "
+            f"jshard has no sharding rule for primitive '{name}'{where}: its inputs are replicated and it runs "
             "on every device (correct, but it may communicate more than needed)",
             stacklevel=3,
         )
     return rule
+
+
+def has_rule(prim: Any) -> bool:
+    return _name(prim) in _RULES
 
 
 def registered() -> tuple[str, ...]:
