@@ -21,6 +21,7 @@ the initial value and the body reach) and run as local loops and switches. ``app
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -548,23 +549,37 @@ def _trace(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placements,
     return _Traced(out_tree, prog, pins)
 
 
+_CPU_IN_FLIGHT = 4  # collective programs queued at once on XLA:CPU (see _compile)
+
+
 def _compile(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placements, args, donated=(), weak=None
              ) -> Callable:
     t = _trace(fn, treedef, specs, mesh, out_placements, args, weak)
     out_specs, out_tree = t.out_specs, t.out_tree
     run = _local(t.program, t.pins)
     k = mesh.devices.ndim
+    # XLA:CPU runs every device's part of a program on one shared thread pool: with many collective programs
+    # queued, parts of one program can wait on each other until the rendezvous aborts the process. Such
+    # programs return a completion token (never donated) and at most _CPU_IN_FLIGHT of them are queued.
+    bounded = mesh.devices.flat[0].platform == "cpu" and bool(_explanation(t).totals)
 
     def body(*blocks):
         results = run(*[b.reshape(b.shape[k:]) for b in blocks])
-        return [r.reshape((1,) * k + r.shape) for r in results]
+        token = [jnp.zeros((), jnp.bool_)] if bounded else []
+        return [r.reshape((1,) * k + r.shape) for r in results + token]
 
     block = PartitionSpec(*mesh.axis_names)
     program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(block,) * len(specs),
-                                    out_specs=[block] * len(out_specs), check_vma=False), donate_argnums=donated)
+                                    out_specs=[block] * (len(out_specs) + bounded), check_vma=False),
+                      donate_argnums=donated)
+    in_flight: collections.deque = collections.deque()
 
     def call(darrays: list[DArray]) -> Any:
         blocks = program(*[d.block for d in darrays])
+        if bounded:
+            in_flight.append(blocks.pop())
+            if len(in_flight) > _CPU_IN_FLIGHT:
+                in_flight.popleft().block_until_ready()
         return jax.tree.unflatten(out_tree, [DArray(b, s) for b, s in zip(blocks, out_specs)])
 
     call.jitted = program

@@ -368,3 +368,14 @@ def test_loop_carry_settles_where_the_body_needs_no_communication():
         np.testing.assert_allclose(np.asarray(out.full()), f(H, W), rtol=1e-5, atol=1e-6)
         body = [r for r in ex.rows if r["primitive"].startswith("scan body")]
         assert body and not any(r["moves"] for r in body)  # nothing moves inside the loop
+
+
+def test_a_long_loop_of_collective_programs_with_donation_keeps_running():
+    # XLA:CPU aborts when too many collective programs wait on its thread pool; jshard bounds the queue
+    mesh = make_mesh((2, 4))
+    x = jshard.distribute(np.ones((64, 64), np.float32), mesh, (Shard(0), Shard(1)))
+    w = jshard.distribute(np.full((64, 64), 1 / 64, np.float32), mesh, (Shard(0), R))
+    f = jshard.jit(lambda x, w: x @ w, out_placements=(Shard(0), Shard(1)), donate_argnums=0)
+    for _ in range(2000):
+        x = f(x, w)
+    np.testing.assert_allclose(np.asarray(x.full()), np.ones((64, 64)), rtol=1e-5)
