@@ -357,3 +357,10 @@ def _iota(ins, outs, params) -> list[tuple]:
     # iota has no inputs, so no shard kind fills these placeholders and it runs Replicate today; the
     # tuples state what holds, and the local function honours any sharded output spec
     return [(Φ(d),) for d in range(len(outs[0].shape))]
+
+
+@register("empty2")
+def _empty(ins, outs, params) -> list[tuple]:
+    # an uninitialised scalar (autodiff of cond / scan makes them as placeholders): replicated, like any
+    # input-free value
+    return []
