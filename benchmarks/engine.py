@@ -107,6 +107,9 @@ def measure_step(layers: int, mesh):
     traced = api._trace(lambda a, kw: step(*a, **kw), treedef, specs, mesh, jshard.same_as(0), (dparams, dids, dlabels))
     t_prop = time.perf_counter() - t0
     n_eqns = len(traced.program.steps)
+    t0 = time.perf_counter()
+    jax.make_jaxpr(step)(*jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, ids, labels)))
+    t_jaxpr = time.perf_counter() - t0  # JAX's own tracing, part of trace + propagate
     clear_caches()
     t0 = time.perf_counter()
     lowered = jshard.jit(step, out_placements=jshard.same_as(0)).lower(dparams, dids, dlabels)
@@ -154,7 +157,7 @@ def measure_step(layers: int, mesh):
     jerr = max(float(np.abs(np.asarray(a) - b).max()) for a, b in zip(jax.tree.leaves(jout), jax.tree.leaves(want)))
     scale = max(float(np.abs(b).max()) for b in jax.tree.leaves(want))
     return dict(layers=layers, equations=n_eqns, jshard_trace_propagate_s=round(t_prop, 3),
-                propagate_us_per_equation=round(t_prop / n_eqns * 1e6, 1),
+                jaxpr_trace_s=round(t_jaxpr, 3), propagate_us_per_equation=round((t_prop - t_jaxpr) / n_eqns * 1e6, 1),
                 jshard_lower_s=round(t_lower, 3), jshard_compile_s=round(t_compile, 3),
                 jshard_first_call_s=round(t_first, 3), share=round(t_lower / t_first, 3),
                 jax_lower_s=round(t_jlower, 3), jax_compile_s=round(t_jcompile, 3), jax_first_call_s=round(t_jax, 3),
@@ -196,7 +199,7 @@ def main():
         for n in map(int, args.layers.split(",")):
             rows.append(measure_step(n, mesh))
         over = measure_overhead(mesh)
-    head = ("layers", "eqns", "trace+prop s", "µs/eqn", "lower s", "compile s", "first call s", "share",
+    head = ("layers", "eqns", "trace+prop s", "prop µs/eqn", "lower s", "compile s", "first call s", "share",
             "jax lower s", "jax compile s", "jax first s", "err", "jax err")
     print(" ".join(f"{h:>13}" for h in head))
     for r in rows:

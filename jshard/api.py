@@ -37,11 +37,11 @@ from jax.sharding import Mesh, PartitionSpec
 
 from .darray import DArray, distribute
 from .lowering import local_equation, local_program
-from .placements import Placement, Replicate
+from .placements import Placement, Replicate, format_placements
 from .planner import Plan, plan_redistribute
 from .propagate import Choice, select
 from .rules.registry import has_rule, rule_for
-from .spec import Spec
+from .spec import Spec, _dtype_short, format_mesh
 
 __all__ = ["Explanation", "Jitted", "apply", "constrain", "explain", "jit", "same_as"]
 
@@ -90,10 +90,27 @@ class Jitted:
                              f"{static} and donate_argnums {donate}; a static value has no storage to donate")
         self.fn, self.out_placements, self.static, self.donate = fn, out_placements, static, donate
         self._cache: dict = {}
+        self._by_tree: dict = {}
+        self._by_specs: dict = {}
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs) -> Any:
+        # steady-state paths (Python work here is paid on every step): DArray arguments only, recognised by
+        # their specs (flat positional calls) or by the tree structure, which carries each DArray's spec
+        if not self.static:
+            if not kwargs:
+                program = self._by_specs.get(tuple([getattr(a, "spec", None) for a in args]))
+                if program is not None:
+                    return program.run_blocks([a.block for a in args])
+            blocks, tree = jax.tree.flatten((args, kwargs))
+            program = self._by_tree.get(tree)
+            if program is not None:
+                return program.run_blocks(blocks)
         program, darrays = self._prepare(args, kwargs)
+        if not self.static and all(isinstance(a, DArray) for a in jax.tree.leaves((args, kwargs), is_leaf=_is_darray)):
+            self._by_tree[jax.tree.structure((args, kwargs))] = program
+            if not kwargs and all(type(a) is DArray for a in args):
+                self._by_specs[tuple(a.spec for a in args)] = program
         return program(darrays)
 
     def lower(self, *args, **kwargs) -> Any:
@@ -238,11 +255,16 @@ class Explanation:
     totals: dict
 
     def __str__(self) -> str:
-        lines = []
-        for r in self.rows:
-            lines.append(f"{r['primitive']:<22} {r['source']:<34} -> {', '.join(map(str, r['outs']))}")
+        def brief(spec):  # the mesh is printed once, in the header
+            return f"{_dtype_short(spec.dtype)}[{','.join(map(str, spec.shape))}]{format_placements(spec.placements)}"
+
+        meshes = {format_mesh(s.mesh) for r in self.rows for s in r["outs"]}
+        lines = [f"jshard plan on {', '.join(sorted(meshes)) or 'no mesh'}: {len(self.rows)} equations"]
+        for n, r in enumerate(self.rows):
+            lines.append(f"{n:>4}  {r['primitive']:<28} {r['source']}")
+            lines.append(f"      {', '.join(map(brief, r['ins']))} -> {', '.join(map(brief, r['outs']))}")
             for i, kind, axes, nbytes in r["moves"]:
-                lines.append(f"    in{i}: {kind} over {','.join(axes)}  {nbytes:,} B")
+                lines.append(f"      in{i}: {kind} over ({', '.join(axes)})  {nbytes:,} B per device")
         lines.append("totals: " + (", ".join(f"{k} x{c} ({b:,} B)" for k, (c, b) in sorted(self.totals.items()))
                                    or "no collectives"))
         return "\n".join(lines)
@@ -573,16 +595,22 @@ def _compile(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placement
                                     out_specs=[block] * (len(out_specs) + bounded), check_vma=False),
                       donate_argnums=donated)
     in_flight: collections.deque = collections.deque()
+    single = out_tree == jax.tree.structure(0)  # one array out: no tree to rebuild
 
-    def call(darrays: list[DArray]) -> Any:
-        blocks = program(*[d.block for d in darrays])
+    def run_blocks(blocks: list) -> Any:
+        blocks = program(*blocks)
         if bounded:
             in_flight.append(blocks.pop())
             if len(in_flight) > _CPU_IN_FLIGHT:
                 in_flight.popleft().block_until_ready()
+        if single:
+            return DArray(blocks[0], out_specs[0])
         return jax.tree.unflatten(out_tree, [DArray(b, s) for b, s in zip(blocks, out_specs)])
 
-    call.jitted = program
+    def call(darrays: list[DArray]) -> Any:
+        return run_blocks([d.block for d in darrays])
+
+    call.jitted, call.run_blocks = program, run_blocks
     return call
 
 
