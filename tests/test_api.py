@@ -379,3 +379,21 @@ def test_a_long_loop_of_collective_programs_with_donation_keeps_running():
     for _ in range(2000):
         x = f(x, w)
     np.testing.assert_allclose(np.asarray(x.full()), np.ones((64, 64)), rtol=1e-5)
+
+
+def test_cached_programs_are_told_apart_by_specs_trees_and_keywords():
+    mesh = make_mesh((2, 4))
+    X = np.arange(32.0, dtype=np.float32).reshape(8, 4)
+    f = jshard.jit(lambda a, b=None: a * 2 if b is None else a * 2 + b["w"])
+    ways = [(Shard(0), R), (R, Shard(1)), (Shard(1), Shard(0)), (Shard(0), R)]
+    for p in ways:  # flat calls: one program per spec, each result laid out as its input
+        out = f(jshard.distribute(X, mesh, p))
+        assert out.placements == p
+        np.testing.assert_array_equal(np.asarray(out.full()), X * 2)
+    w = {"w": jshard.distribute(X, mesh, (R, Shard(0)))}
+    for p in ways:  # keyword pytrees go through the tree-structure cache
+        out = f(jshard.distribute(X, mesh, p), b=w)
+        np.testing.assert_array_equal(np.asarray(out.full()), X * 3)
+    out = f(jshard.distribute(X, mesh, ways[0]), b={"w": X})  # a plain array leaf: replicated, not confused
+    np.testing.assert_array_equal(np.asarray(out.full()), X * 3)
+    assert len(f._cache) == 7
