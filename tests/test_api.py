@@ -207,13 +207,18 @@ def test_scan_rnn_forward_and_gradients():
         np.testing.assert_allclose(np.asarray(g.full()), want, rtol=1e-4, atol=1e-5)
 
 
+def _tanh_loop(x, w):
+    """At most 3 steps of h <- tanh(h @ w), stopping early once the sum reaches 100."""
+    def body(c):
+        i, h = c
+        return i + 1, jnp.tanh(h @ w)
+
+    return jax.lax.while_loop(lambda c: (c[0] < 3) & (jnp.sum(c[1]) < 100.0), body, (0, x))[1]
+
+
 def test_while_loop_and_cond():
     def f(x, w):
-        def body(c):
-            i, h = c
-            return i + 1, jnp.tanh(h @ w)
-
-        _, h = jax.lax.while_loop(lambda c: (c[0] < 3) & (jnp.sum(c[1]) < 100.0), body, (0, x))
+        h = _tanh_loop(x, w)
         return jax.lax.cond(jnp.sum(h) > 0, lambda a: a * 2.0, lambda a: a - 1.0, h)
 
     mesh = make_mesh((2, 2, 2))
@@ -329,12 +334,7 @@ def _count_stablehlo(text):
 
 def test_explain_lists_collectives_inside_loops_and_branches():
     def f(x, w):
-        def body(c):
-            i, h = c
-            return i + 1, jnp.tanh(h @ w)
-
-        _, h = jax.lax.while_loop(lambda c: (c[0] < 3) & (jnp.sum(c[1]) < 100.0), body, (0, x))
-        h, ys = jax.lax.scan(lambda c, _: (c * 0.5 + c.sum(0), c.max()), h, None, length=2)
+        h, ys = jax.lax.scan(lambda c, _: (c * 0.5 + c.sum(0), c.max()), _tanh_loop(x, w), None, length=2)
         return jax.lax.cond(jnp.sum(h) > 0, lambda a: a * 2.0, lambda a: a.sum(0, keepdims=True) - a, h) + ys.sum()
 
     mesh = make_mesh((2, 4))
