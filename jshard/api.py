@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jc
+from jax.extend import source_info_util
 from jax.extend.source_info_util import summarize
 from jax.sharding import Mesh, PartitionSpec
 
@@ -344,13 +346,36 @@ def constrain(x, placements) -> Any:
     """Inside a ``jshard.jit`` function: ``x`` with ``placements`` from here on (the engine redistributes it
     there, like ``with_sharding_constraint``); the identity anywhere else, gradients included.
 
+    ``placements`` is one entry per mesh axis, or a dict ``{axis name: placement}``; a None entry (or an axis
+    the dict leaves out) keeps that axis as the engine has it. ``Shard(-1)`` counts from the last dim.
+
     >>> import jax, numpy as np, jshard
     >>> from jshard import Shard, Replicate
     >>> x = jshard.distribute(np.arange(8.0), jax.make_mesh((8,), ("x",)), [Replicate()])
     >>> jshard.jit(lambda x: jshard.constrain(x * 2, [Shard(0)]) + 1)(x).placements
     (S(0),)
     """
-    return _constrain_p.bind(x, placements=tuple(placements))
+    placements = tuple(placements.items()) if isinstance(placements, dict) else tuple(placements)
+    return _constrain_p.bind(x, placements=placements)
+
+
+def _constrain_target(spec: Spec, placements: tuple) -> Spec:
+    """The spec a ``constrain`` asks for, given the spec the engine has: None entries and axes a dict
+    leaves out stay as they are."""
+    current = list(spec.placements)
+    if placements and isinstance(placements[0], tuple):  # (axis name, placement) pairs
+        names = list(spec.mesh.axis_names)
+        for name, p in placements:
+            if name not in names:
+                raise ValueError(f"jshard.constrain: mesh axis {name!r} is not in the mesh {format_mesh(spec.mesh)}; "
+                                 f"name one of {names}")
+            current[names.index(name)] = p
+    else:
+        if len(placements) != len(current):
+            raise ValueError(f"jshard.constrain: {len(placements)} placements for the {len(current)} axes of "
+                             f"{format_mesh(spec.mesh)}; give one per axis (None keeps an axis as it is)")
+        current = [c if p is None else p for p, c in zip(placements, current)]
+    return spec.with_placements(current, where="jshard.constrain")
 
 
 def _constrain_prim():
@@ -366,6 +391,10 @@ def _constrain_prim():
 
 
 _constrain_p = _constrain_prim()
+
+# equations are attributed to the user's line: jshard's own wrappers are not it
+for _file in ("api.py", "darray.py", os.path.join("parallel", "parallelize.py")):
+    source_info_util.register_exclusion(os.path.join(os.path.dirname(__file__), _file))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -436,7 +465,7 @@ def _walk(jaxpr: jc.Jaxpr, in_vars: list, env: dict, steps: list, mesh: Mesh, si
                 ins.append(("var", v))
         kernel, bodies = None, ()
         if eqn.primitive is _constrain_p:
-            target = specs[0].with_placements(eqn.params["placements"], where="jshard.constrain")
+            target = _constrain_target(specs[0], eqn.params["placements"])
             choice = Choice((target,), (target,), 0.0, None)
         elif name in _CONTROL:
             choice, kernel, bodies = _CONTROL[name](eqn, specs, mesh)

@@ -139,6 +139,12 @@ class DArray:
         plan = plan_redistribute(self.spec, (Replicate(),) * len(self.placements))
         return compile_plan(plan, global_out=True)(self.block)
 
+    def __float__(self) -> float:
+        return float(self.full())  # a size-1 value, like float(jax_array)
+
+    def __int__(self) -> int:
+        return int(self.full())
+
     def to_jax(self) -> jax.Array:
         """An ordinary ``jax.Array`` with the equivalent ``NamedSharding``, built without a collective.
 

@@ -1,0 +1,93 @@
+"""A small GPT in Flax NNX, and the parallel plans for it (the model of the demo, the notebooks and the
+benchmarks).
+
+``GPT(vocab, dim, heads, layers, seq)``: token + position embeddings, pre-norm blocks of causal
+multi-head attention (separate ``q``/``k``/``v``/``o`` projections) and a GELU MLP (``up``/``down``), a
+final LayerNorm and an untied ``head``. ``plan(style, dp, tp)`` gives ``(plan, default)`` for
+``jshard.parallel.parallelize``:
+
+- ``"tp"``: Megatron — q/k/v/up column parallel, o/down row parallel (one all-reduce each per block
+  forward), the head column parallel (loss-parallel cross-entropy: logits stay sharded on the vocabulary);
+- ``"sp"``: ``"tp"`` plus sequence parallelism — o/down reduce-scatter onto the sequence dim, the norms run
+  sequence-sharded, q/k/v/up gather the sequence back;
+- ``"fsdp"``: every parameter sharded on the data axis (gathered for compute), no tensor parallelism;
+- ``"dp"``: parameters replicated.
+
+>>> model = GPT(vocab=32, dim=16, heads=2, layers=1, seq=8, rngs=nnx.Rngs(0))
+>>> model(jnp.zeros((2, 8), jnp.int32)).shape
+(2, 8, 32)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .placements import Shard
+from .parallel.styles import ColwiseParallel, FullyShard, RowwiseParallel, SequenceParallel
+
+__all__ = ["GPT", "cross_entropy", "plan"]
+
+
+class Block(nnx.Module):
+    def __init__(self, dim: int, heads: int, rngs: nnx.Rngs):
+        self.heads = heads
+        self.ln1, self.ln2 = nnx.LayerNorm(dim, rngs=rngs), nnx.LayerNorm(dim, rngs=rngs)
+        self.q, self.k, self.v, self.o = (nnx.Linear(dim, dim, rngs=rngs) for _ in range(4))
+        self.up, self.down = nnx.Linear(dim, 4 * dim, rngs=rngs), nnx.Linear(4 * dim, dim, rngs=rngs)
+
+    def __call__(self, x):
+        b, t, d = x.shape
+        h = self.ln1(x)
+        q, k, v = (f(h).reshape(b, t, self.heads, d // self.heads) for f in (self.q, self.k, self.v))
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d // self.heads).astype(x.dtype)
+        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, jnp.finfo(x.dtype).min)
+        a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v).reshape(b, t, d)
+        x = x + self.o(a)
+        return x + self.down(jax.nn.gelu(self.up(self.ln2(x))))
+
+
+class GPT(nnx.Module):
+    def __init__(self, vocab: int, dim: int, heads: int, layers: int, seq: int, rngs: nnx.Rngs):
+        self.tok, self.pos = nnx.Embed(vocab, dim, rngs=rngs), nnx.Embed(seq, dim, rngs=rngs)
+        self.blocks = nnx.List([Block(dim, heads, rngs) for _ in range(layers)])
+        self.ln = nnx.LayerNorm(dim, rngs=rngs)
+        self.head = nnx.Linear(dim, vocab, rngs=rngs)
+
+    def __call__(self, ids):
+        x = self.tok(ids) + self.pos(jnp.arange(ids.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def cross_entropy(logits, labels):
+    """Mean token cross-entropy. With vocabulary-sharded logits the engine keeps them sharded: the max and
+    the exp-sum reduce over the vocabulary as Partials of shape ``(batch, seq, 1)`` and the label's logit is
+    a masked local lookup — the full logits are never gathered (DTensor's loss parallel)."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+
+
+def plan(style: str, dp: str = "dp", tp: str = "tp") -> tuple[dict, tuple]:
+    """``(plan, default)`` for ``parallelize`` in one of the styles ``tp``, ``sp``, ``fsdp``, ``dp``.
+
+    >>> plan("tp")[0]["blocks/*/o"]
+    RowwiseParallel(axis='tp', input=None, output=R)
+    """
+    if style == "dp":
+        return {}, ()
+    if style == "fsdp":
+        return {}, (FullyShard(dp),)
+    if style not in ("tp", "sp"):
+        raise ValueError(f"plan: style {style!r} is not one of 'tp', 'sp', 'fsdp', 'dp'")
+    sp = style == "sp"
+    row = RowwiseParallel(tp, output=Shard(1) if sp else RowwiseParallel.output)
+    styles = {"blocks/*/q": ColwiseParallel(tp), "blocks/*/k": ColwiseParallel(tp), "blocks/*/v": ColwiseParallel(tp),
+              "blocks/*/up": ColwiseParallel(tp), "blocks/*/o": row, "blocks/*/down": row,
+              "head": ColwiseParallel(tp)}
+    if sp:
+        styles.update({"blocks/*/ln1": SequenceParallel(tp), "blocks/*/ln2": SequenceParallel(tp),
+                       "ln": SequenceParallel(tp)})
+    return styles, ()
