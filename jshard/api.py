@@ -342,9 +342,11 @@ def _pins(out_placements, out_tree, n_out: int, args) -> list:
     return pins
 
 
-def constrain(x, placements) -> Any:
+def constrain(x, placements, *, pin_gradient: bool = True) -> Any:
     """Inside a ``jshard.jit`` function: ``x`` with ``placements`` from here on (the engine redistributes it
-    there, like ``with_sharding_constraint``); the identity anywhere else, gradients included.
+    there, like ``with_sharding_constraint``); the identity anywhere else. Its gradient is constrained the same
+    way, unless ``pin_gradient=False``: then a gradient finds its own placement (a column-parallel layer's
+    input gradient stays ``Partial(sum)``, summed with its siblings' and reduced once further back).
 
     ``placements`` is one entry per mesh axis, or a dict ``{axis name: placement}``; a None entry (or an axis
     the dict leaves out) keeps that axis as the engine has it. ``Shard(-1)`` counts from the last dim.
@@ -356,7 +358,7 @@ def constrain(x, placements) -> Any:
     (S(0),)
     """
     placements = tuple(placements.items()) if isinstance(placements, dict) else tuple(placements)
-    return _constrain_p.bind(x, placements=placements)
+    return _constrain_p.bind(x, placements=placements, pin_gradient=pin_gradient)
 
 
 def _constrain_target(spec: Spec, placements: tuple) -> Spec:
@@ -382,11 +384,13 @@ def _constrain_prim():
     from jax.interpreters import ad, batching, mlir
 
     p = jc.Primitive("jshard_constrain")
-    p.def_impl(lambda x, placements: x)
-    p.def_abstract_eval(lambda x, placements: x)
-    ad.deflinear2(p, lambda ct, x, placements: [ct])  # the gradient is not pinned: it finds its own placement
+    p.def_impl(lambda x, **_: x)
+    p.def_abstract_eval(lambda x, **_: x)
+    # as with JAX's sharding constraints, the cotangent is pinned like the value (unless pin_gradient=False)
+    ad.deflinear2(p, lambda ct, x, placements, pin_gradient: [
+        p.bind(ct, placements=placements, pin_gradient=True) if pin_gradient else ct])
     batching.defvectorized(p)
-    mlir.register_lowering(p, lambda ctx, x, placements: [x])
+    mlir.register_lowering(p, lambda ctx, x, **_: [x])
     return p
 
 

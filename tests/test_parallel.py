@@ -185,3 +185,19 @@ def test_sequence_parallel_keeps_norms_sequence_sharded():
     acts = [o for r in norms for o in r["outs"] if o.shape[:2] == (B, T)]  # not the (1, 1, D) scale and bias
     assert len(acts) > 10 * L and all(o.placements == (Shard(0), Shard(1)) for o in acts)
     assert not [m for r in norms for m in r["moves"]]  # the norms themselves never communicate
+
+
+def test_tensor_parallel_backward_reduces_once_per_attention_and_mlp():
+    # forward: o and down all-reduce; backward: the residual gradient is all-reduced once at each of them
+    # (q/k/v input gradients are summed while Partial, never reduced one by one)
+    mesh = make_mesh((2, 4))
+    p, _ = plan("tp")
+    model = parallelize(gpt(), mesh, p)
+    ids, labels = batch()
+    args = [jshard.distribute(a, mesh, (Shard(0), R)) for a in (ids, labels)]
+    ex = jshard.explain(nnx.grad(loss_fn), model, *args)
+    blocks = [m for r in ex.rows if ("Block.__call__" in r["source"] or "linear.py" in r["source"])
+              and not any(V in s.shape for s in r["ins"])  # the head and the loss are another matter
+              for m in r["moves"] if "tp" in m[2]]
+    assert [m[1] for m in blocks] == ["all_reduce"] * (4 * L)
+    assert all(m[3] == B * T * D * 4 // 2 for m in blocks)  # (batch/dp, seq, features) float32 each

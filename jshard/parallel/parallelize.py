@@ -76,7 +76,8 @@ def parallelize(model: Any, mesh: Mesh, plan: Mapping[str, ParallelStyle | Seque
             placements[names.index(style.axis)] = style.param(owner, name, tuple(jax.numpy.shape(full)))
         var.set_value(distribute(full, mesh, placements))
     for path, styles in matched.items():
-        io = tuple((s.axis, s.input, s.output) for s in styles if s.input is not None or s.output is not None)
+        io = tuple((s.axis, s.input, s.output, s.pin_input_gradient) for s in styles
+                   if s.input is not None or s.output is not None)
         if io:
             module = modules[path]
             module.__class__ = _constrained(type(module), io)
@@ -130,12 +131,13 @@ def _annotated(var, mesh: Mesh, shape, dtype, rules) -> tuple[Placement, ...]:
 @lru_cache(maxsize=None)
 def _constrained(cls: type, io: tuple) -> type:
     """``cls`` whose ``__call__`` constrains its first input and its outputs on the styles' axes."""
-    inputs = {axis: p for axis, p, _ in io if p is not None}
-    outputs = {axis: p for axis, _, p in io if p is not None}
+    inputs = {axis: p for axis, p, _, _ in io if p is not None}
+    outputs = {axis: p for axis, _, p, _ in io if p is not None}
+    pin = all(pin_input for *_, pin_input in io)
 
     def __call__(self, x, *args, **kwargs):
         if inputs:
-            x = constrain(x, inputs)
+            x = constrain(x, inputs, pin_gradient=pin)
         out = super(sub, self).__call__(x, *args, **kwargs)
         return jax.tree.map(lambda o: constrain(o, outputs), out) if outputs else out
 

@@ -19,6 +19,7 @@ here where DTensor shards dim 0.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ..placements import Placement, Replicate, Shard
 
@@ -30,11 +31,13 @@ R = Replicate()
 @dataclass(frozen=True)
 class ParallelStyle:
     """Base of the styles: ``axis`` is the mesh axis name; ``input`` / ``output`` constrain the module's first
-    positional input and its output on that axis (None leaves them to the engine)."""
+    positional input and its output on that axis (None leaves them to the engine). Gradients are constrained
+    like the values, except the input gradient where ``pin_input_gradient`` is False."""
 
     axis: str = "tp"
     input: Placement | None = None
     output: Placement | None = None
+    pin_input_gradient: ClassVar[bool] = True
 
     def param(self, module, name: str, shape: tuple[int, ...]) -> Placement:
         """The placement on ``self.axis`` of parameter ``name`` (of ``shape``) of ``module``."""
@@ -58,6 +61,8 @@ class ColwiseParallel(ParallelStyle):
     """
 
     input: Placement | None = R
+    # the input gradient is Partial(sum): q, k and v's are summed first and reduced once, further back
+    pin_input_gradient: ClassVar[bool] = False
 
     def param(self, module, name, shape):
         if name in ("kernel", "embedding") and len(shape) >= 2:
