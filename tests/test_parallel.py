@@ -201,3 +201,20 @@ def test_tensor_parallel_backward_reduces_once_per_attention_and_mlp():
               for m in r["moves"] if "tp" in m[2]]
     assert [m[1] for m in blocks] == ["all_reduce"] * (4 * L)
     assert all(m[3] == B * T * D * 4 // 2 for m in blocks)  # (batch/dp, seq, features) float32 each
+
+
+@pytest.mark.parametrize("style,want", [
+    ("dp", {"all_reduce": "params+1"}),  # one all-reduce per gradient, and the loss
+    ("fsdp", {"all_gather": "params", "reduce_scatter": "params", "all_reduce": 1}),  # gather, reduce-scatter
+])
+def test_a_training_step_communicates_once_per_parameter(style, want):
+    mesh = make_mesh((2, 4))
+    p, default = plan(style)
+    model = parallelize(gpt(), mesh, p, default=default)
+    n = len(jax.tree.leaves(nnx.state(model, nnx.Param), is_leaf=lambda a: isinstance(a, jshard.DArray)))
+    step = TrainStep(model, optax.adamw(1e-2), loss_fn)
+    args = [jshard.distribute(a, mesh, (Shard(0), R)) for a in batch()]
+    counts = {k: c for k, (c, _) in step.explain(*args).totals.items()}
+    assert counts == {k: {"params": n, "params+1": n + 1}.get(v, v) for k, v in want.items()}
+    lowered = _stablehlo(step.lower(*args).as_text())
+    assert {k: v for k, v in lowered.items() if v} == {k: v for k, v in counts.items() if k in lowered}

@@ -54,7 +54,7 @@ def parallelize(model: Any, mesh: Mesh, plan: Mapping[str, ParallelStyle | Seque
     names = list(mesh.axis_names)
     modules = {path: node for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)}
     matched = {}
-    for path, module in modules.items():
+    for path, module in modules.items():  # every module gets an entry: default styles may gather its params
         key = "/".join(map(str, path))
         pattern = next((p for p in plan if fnmatch.fnmatchcase(key, p)), None)
         matched[path] = _styles(plan[pattern]) if pattern is not None else ()
@@ -75,12 +75,14 @@ def parallelize(model: Any, mesh: Mesh, plan: Mapping[str, ParallelStyle | Seque
         for style in default + matched[owner_path]:
             placements[names.index(style.axis)] = style.param(owner, name, tuple(jax.numpy.shape(full)))
         var.set_value(distribute(full, mesh, placements))
+    owners = {path[:-1] for path, var in nnx.iter_graph(model) if isinstance(var, nnx.Param)}
     for path, styles in matched.items():
         io = tuple((s.axis, s.input, s.output, s.pin_input_gradient) for s in styles
                    if s.input is not None or s.output is not None)
-        if io:
+        gather = tuple((s.axis, s.compute) for s in default + styles if s.compute is not None) if path in owners else ()
+        if io or gather:
             module = modules[path]
-            module.__class__ = _constrained(type(module), io)
+            module.__class__ = _constrained(type(module), io, gather)
     return model
 
 
@@ -129,16 +131,27 @@ def _annotated(var, mesh: Mesh, shape, dtype, rules) -> tuple[Placement, ...]:
 
 
 @lru_cache(maxsize=None)
-def _constrained(cls: type, io: tuple) -> type:
-    """``cls`` whose ``__call__`` constrains its first input and its outputs on the styles' axes."""
+def _constrained(cls: type, io: tuple, gather: tuple) -> type:
+    """``cls`` whose ``__call__`` constrains its first input and its outputs on the styles' axes, and runs
+    with its own parameters at their compute placements (FSDP's gather; the gradient is left to find its
+    way back to the shard)."""
     inputs = {axis: p for axis, p, _, _ in io if p is not None}
     outputs = {axis: p for axis, _, p, _ in io if p is not None}
     pin = all(pin_input for *_, pin_input in io)
+    compute = dict(gather)
 
     def __call__(self, x, *args, **kwargs):
         if inputs:
             x = constrain(x, inputs, pin_gradient=pin)
-        out = super(sub, self).__call__(x, *args, **kwargs)
+        params = [v for v in vars(self).values() if isinstance(v, nnx.Param)] if compute else []
+        stored = [v.get_value() for v in params]
+        for v, value in zip(params, stored):
+            v.set_value(constrain(value, compute, pin_gradient=False))
+        try:
+            out = super(sub, self).__call__(x, *args, **kwargs)
+        finally:
+            for v, value in zip(params, stored):
+                v.set_value(value)
         return jax.tree.map(lambda o: constrain(o, outputs), out) if outputs else out
 
     sub = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,

@@ -32,12 +32,14 @@ R = Replicate()
 class ParallelStyle:
     """Base of the styles: ``axis`` is the mesh axis name; ``input`` / ``output`` constrain the module's first
     positional input and its output on that axis (None leaves them to the engine). Gradients are constrained
-    like the values, except the input gradient where ``pin_input_gradient`` is False."""
+    like the values, except the input gradient where ``pin_input_gradient`` is False. ``compute`` is where the
+    module's own parameters are while it runs (FSDP: gathered)."""
 
     axis: str = "tp"
     input: Placement | None = None
     output: Placement | None = None
     pin_input_gradient: ClassVar[bool] = True
+    compute: ClassVar[Placement | None] = None  # the module's parameters while it runs (None: as stored)
 
     def param(self, module, name: str, shape: tuple[int, ...]) -> Placement:
         """The placement on ``self.axis`` of parameter ``name`` (of ``shape``) of ``module``."""
@@ -138,6 +140,7 @@ class FullyShard(ParallelStyle):
 
     axis: str = "dp"
     dim: int = 0
+    compute: ClassVar[Placement | None] = R  # gathered while the module runs, one module at a time
 
     def param(self, module, name, shape):
         return Shard(self.dim) if len(shape) > self.dim else R

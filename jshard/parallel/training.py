@@ -3,8 +3,9 @@
 ``init_optimizer(tx, params)`` places each optimizer-state subtree that mirrors the parameters (Adam's
 ``mu`` and ``nu``, momentum) like the parameters and everything else (step counts) replicated.
 ``TrainStep(model, tx, loss_fn)`` is one ``jshard.jit`` program per step: forward, gradients, optimizer
-update, with parameters and optimizer state pinned to their placements (so a data-parallel gradient is
-reduced once per parameter, an FSDP one reduce-scattered) and their storage donated.
+update. Gradients are pinned to their parameters' placements (a data-parallel gradient is all-reduced once per
+parameter, an FSDP one reduce-scattered), so the update runs where the parameters and optimizer state live;
+both keep their placements and their storage is donated.
 
 >>> import jax, jax.numpy as jnp, numpy as np, optax, jshard
 >>> from flax import nnx
@@ -28,7 +29,7 @@ import jax
 import optax
 from flax import nnx
 
-from ..api import Explanation, jit, same_as
+from ..api import Explanation, constrain, jit, same_as
 from ..darray import DArray
 from ..placements import Replicate
 from .parallelize import placements_of
@@ -52,6 +53,9 @@ class TrainStep:
         self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
         self.opt_state = init_optimizer(tx, self.params)
         graphdef = self.graphdef
+        # gradients land on their parameters' placements at once (one all-reduce per replicated parameter, one
+        # reduce-scatter per sharded one), so the optimizer's elementwise update needs no communication
+        grad_placements = jax.tree.leaves(placements_of(self.params), is_leaf=lambda p: isinstance(p, tuple))
 
         def step(params, opt_state, rest, *batch):
             def loss_of(p):
@@ -60,6 +64,8 @@ class TrainStep:
                 return loss, nnx.split(m, nnx.Param, ...)[2]  # state the forward pass updated (RNG counts)
 
             (loss, rest), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+            leaves, tree = jax.tree.flatten(grads)
+            grads = jax.tree.unflatten(tree, [constrain(g, p) for g, p in zip(leaves, grad_placements)])
             updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, rest, loss
 
