@@ -1,0 +1,23 @@
+"""The main job and the tour run and check themselves (their exit codes are the verdicts)."""
+
+import pytest
+
+from jshard import demo, tour
+
+
+@pytest.mark.parametrize("style", ["tp", pytest.param("sp", marks=pytest.mark.slow),
+                                   pytest.param("fsdp", marks=pytest.mark.slow)])
+def test_the_demo_trains_like_one_device(style, capsys):
+    assert demo.main(["--style", style, "--steps", "3", "--layers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "-> OK (rtol 1e-4)" in out and "all_reduce x" in out.split("one training step communicates:")[1]
+
+
+def test_the_demo_rejects_a_malformed_mesh():
+    with pytest.raises(SystemExit, match="axis=size pairs"):
+        demo.main(["--mesh", "dp2,tp4"])
+
+
+def test_the_tour_checks_pass(capsys):
+    assert tour.main() == 0
+    assert "all checks passed" in capsys.readouterr().out
