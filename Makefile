@@ -23,6 +23,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/propagation.py
 	$(PY) benchmarks/engine.py
 	$(PY) benchmarks/redistribute.py
+	$(PY) benchmarks/train_step.py
 
 clean:
 	rm -rf $(VENV) *.egg-info
