@@ -218,3 +218,38 @@ def test_a_training_step_communicates_once_per_parameter(style, want):
     assert counts == {k: {"params": n, "params+1": n + 1}.get(v, v) for k, v in want.items()}
     lowered = _stablehlo(step.lower(*args).as_text())
     assert {k: v for k, v in lowered.items() if v} == {k: v for k, v in counts.items() if k in lowered}
+
+
+def test_vocabulary_parallel_embedding_looks_up_locally_and_reduces_once():
+    mesh = make_mesh((2, 4))
+    p, _ = plan("tp")
+    model = parallelize(gpt(), mesh, {**p, "tok": RowwiseParallel("tp")})
+    assert model.tok.embedding.get_value().placements == (R, Shard(0))  # rows of the vocabulary per device
+    ids, labels = batch()
+    args = [jshard.distribute(a, mesh, (Shard(0), R)) for a in (ids, labels)]
+    ex = jshard.explain(lambda m, x: m.tok(x), model, args[0])
+    assert [(m[1], m[2]) for r in ex.rows for m in r["moves"]] == [("all_reduce", ("tp",))]  # masked lookups summed
+    loss = jshard.jit(loss_fn, out_placements=(R, R))(model, *args)
+    np.testing.assert_allclose(float(loss), loss_fn(gpt(), ids, labels), rtol=1e-5)
+    grads = jshard.jit(nnx.grad(loss_fn))(model, *args)
+    np.testing.assert_allclose(np.asarray(grads.tok.embedding.get_value().full()),
+                               nnx.grad(loss_fn)(gpt(), ids, labels).tok.embedding.get_value(), rtol=1e-4, atol=1e-6)
+
+
+def test_loss_parallel_cross_entropy_never_gathers_the_logits():
+    # with a vocabulary large enough that moving logits costs more than reducing (batch, seq, 1) statistics,
+    # the column-parallel head's logits stay sharded: max and exp-sum are reduced, the label's logit is a
+    # masked local lookup
+    mesh = make_mesh((2, 4))
+    vocab = 4096
+    make = lambda: GPT(vocab, D, H, 1, T, rngs=nnx.Rngs(0))
+    model = parallelize(make(), mesh, plan("tp")[0])
+    rng = np.random.default_rng(3)
+    ids, labels = (rng.integers(0, vocab, (B, T)).astype(np.int32) for _ in range(2))
+    args = [jshard.distribute(a, mesh, (Shard(0), R)) for a in (ids, labels)]
+    logits_bytes = B // 2 * T * vocab * 4 // 4  # one device's block of the vocabulary-sharded logits
+    for f in (loss_fn, nnx.grad(loss_fn)):
+        moves = [m for r in jshard.explain(f, model, *args).rows for m in r["moves"]]
+        assert not [m for m in moves if m[1] in ("all_gather", "all_reduce") and m[3] >= logits_bytes]
+    loss = jshard.jit(loss_fn, out_placements=(R, R))(model, *args)
+    np.testing.assert_allclose(float(loss), loss_fn(make(), ids, labels), rtol=1e-5)
