@@ -13,6 +13,7 @@ two loss curves differ by more than rtol 1e-4.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=2)
     args = ap.parse_args(argv)
     names, sizes = parse_mesh(args.mesh)
-    _ensure_devices(max(8, int(__import__("math").prod(sizes))))
+    _ensure_devices(max(8, math.prod(sizes)))
 
     import jax
     import jax.numpy as jnp
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import jshard
     from jshard import Replicate, Shard
-    from jshard.gpt import GPT, cross_entropy, plan
+    from jshard.gpt import GPT, cross_entropy, one_device_trainer, plan
     from jshard.parallel import TrainStep, parallelize
 
     n = int(np.prod(sizes))
@@ -108,22 +109,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{kind} x{count} ({nbytes:,} B per device)" for kind, (count, nbytes) in sorted(totals.items()))
         or "nothing"))
 
-    graphdef, params, rest = nnx.split(make(), nnx.Param, ...)
-    opt_state = tx.init(params)
-
-    @jax.jit
-    def reference(params, opt_state, ids, labels):
-        loss, g = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest), ids, labels))(params)
-        updates, opt_state = tx.update(g, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    reference = one_device_trainer(make(), tx, loss_fn)
 
     ours, theirs = [], []
     t0 = time.perf_counter()
     for step in range(args.steps):
         ours.append(float(train(*shard(step))))
-        params, opt_state, loss = reference(params, opt_state, jnp.asarray(windows[step, :, :-1]),
-                                            jnp.asarray(windows[step, :, 1:]))
-        theirs.append(float(loss))
+        theirs.append(reference(jnp.asarray(windows[step, :, :-1]), jnp.asarray(windows[step, :, 1:])))
         done = (step + 1) / args.steps
         bar = "#" * int(30 * done) + "." * (30 - int(30 * done))
         print(f"\r[{bar}] step {step + 1:>3}/{args.steps}  loss {ours[-1]:.4f}  one device {theirs[-1]:.4f}  "

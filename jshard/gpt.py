@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from .placements import Shard
 from .parallel.styles import ColwiseParallel, FullyShard, RowwiseParallel, SequenceParallel
 
-__all__ = ["GPT", "cross_entropy", "plan"]
+__all__ = ["GPT", "cross_entropy", "one_device_trainer", "plan"]
 
 
 class Block(nnx.Module):
@@ -91,3 +92,29 @@ def plan(style: str, dp: str = "dp", tp: str = "tp") -> tuple[dict, tuple]:
         styles.update({"blocks/*/ln1": SequenceParallel(tp), "blocks/*/ln2": SequenceParallel(tp),
                        "ln": SequenceParallel(tp)})
     return styles, ()
+
+
+def one_device_trainer(model: nnx.Module, tx: optax.GradientTransformation, loss_fn):
+    """The same training with plain ``jax.jit`` on one device (the reference the demo and the notebooks
+    compare with): returns ``step(*batch) -> loss`` as a float.
+
+    >>> step = one_device_trainer(GPT(32, 16, 2, 1, 8, rngs=nnx.Rngs(0)), optax.sgd(0.1),
+    ...                           lambda m, ids: cross_entropy(m(ids), ids))
+    >>> ids = jnp.zeros((2, 8), jnp.int32)
+    >>> step(ids) > step(ids)
+    True
+    """
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    state = [params, tx.init(params)]
+
+    @jax.jit
+    def update(params, opt_state, *batch):
+        loss, g = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest), *batch))(params)
+        updates, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    def step(*batch) -> float:
+        state[0], state[1], loss = update(*state, *batch)
+        return float(loss)
+
+    return step

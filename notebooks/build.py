@@ -112,23 +112,15 @@ for k in kinds:
 ax.set_ylabel("kB per device per step"); ax.legend(); plt.show()
 print(volumes)'''),
     ("md", "## Training against one device"),
-    ("code", '''tx = optax.adamw(3e-3)
-graphdef, params, rest = nnx.split(make(), nnx.Param, ...)
-opt_state = tx.init(params)
-
-@jax.jit
-def reference(params, opt_state, ids, labels):
-    loss, g = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest), ids, labels))(params)
-    updates, opt_state = tx.update(g, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
+    ("code", '''from jshard.gpt import one_device_trainer
+tx = optax.adamw(3e-3)
+reference = one_device_trainer(make(), tx, loss_fn)  # plain jax.jit on one device
 p, default = plan("sp")
 sp_step = TrainStep(parallelize(make(), mesh, p, default=default), tx, loss_fn)
 ours, theirs = [], []
 for ids, labels in batches:
     ours.append(float(sp_step(*data((ids, labels)))))
-    params, opt_state, loss = reference(params, opt_state, ids, labels)
-    theirs.append(float(loss))
+    theirs.append(reference(ids, labels))
 print(np.round(ours, 4)); print(np.round(theirs, 4))
 assert np.allclose(ours, theirs, rtol=1e-4)'''),
 ]

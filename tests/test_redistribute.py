@@ -66,7 +66,8 @@ def sweep_pairs():
     return list(itertools.product(placements, placements))
 
 
-@pytest.mark.parametrize("shape", [(6, 10), (16, 24)], ids=["uneven-6x10", "even-16x24"])
+@pytest.mark.parametrize("shape", [(6, 10), pytest.param((16, 24), marks=pytest.mark.slow)],
+                         ids=["uneven-6x10", "even-16x24"])  # the uneven sweep is the harder one; both under -m slow
 def test_sweep_all_pairs_on_2x4(shape):
     """Every (src, dst) pair of {R, S(0), S(1), P(sum), P(avg), P(max)} per axis on mesh (2, 4)."""
     mesh_shape = (2, 4)
