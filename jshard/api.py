@@ -417,6 +417,7 @@ class _Step:
     outs: list | None = None  # a fresh key per output (None: dropped); keys, not Vars, name values
     bodies: tuple = ()  # control flow: (label, _Program, pins) per body, for explain
     site: Any = None  # the source of the innermost call with a user frame (a library jit's body has none)
+    consts: list | None = None  # per input: its value when a literal (for re-selection)
 
     @property
     def source(self) -> str:
@@ -480,7 +481,7 @@ def _walk(jaxpr: jc.Jaxpr, in_vars: list, env: dict, steps: list, mesh: Mesh, si
         # constants move like values (R -> P(sum) of a literal: the value on one coordinate)
         ins = [(kind, x, None if s == t else plan_redistribute(s, t.placements))
                for (kind, x), s, t in zip(ins, specs, choice.ins)]
-        steps.append(_Step(eqn, ins, choice, kernel, bodies=bodies, site=site))
+        steps.append(_Step(eqn, ins, choice, kernel, bodies=bodies, site=site, consts=consts))
         keys = []
         for o, s in zip(eqn.outvars, choice.outs):
             if isinstance(o, jc.DropVar):
@@ -529,6 +530,7 @@ def _program(closed: jc.ClosedJaxpr, specs: list[Spec], mesh: Mesh) -> _Program:
     const_vars = [jc.Literal(c, jax.typeof(c)) for c in closed.consts]
     steps: list[_Step] = []
     outs = _walk_closed(closed.jaxpr, const_vars, list(closed.jaxpr.invars), env, steps, mesh)
+    _reseat(steps, outs, env, mesh)
     live = {o for o in outs if not isinstance(o, jc.Literal)}  # drop dead equations (and their collectives)
     kept = []
     for st in reversed(steps):
@@ -548,6 +550,49 @@ def _program(closed: jc.ClosedJaxpr, specs: list[Spec], mesh: Mesh) -> _Program:
         out_specs.append(Spec(mesh, (Replicate(),) * mesh.devices.ndim, tuple(np.shape(o.val)), o.aval.dtype)
                          if isinstance(o, jc.Literal) else env[o])
     return _Program(list(closed.jaxpr.invars), steps, outs, out_specs)
+
+
+def _reseat(steps: list[_Step], outs: list, env: dict, mesh: Mesh) -> None:
+    """The walk chooses forwards, from the inputs' placements; this pass looks back from the consumers. Where
+    every consumer of a value moves it to one spec, the producer is asked to produce that spec directly,
+    and does so when that needs no collective of its own (its inputs only slice): a dropout mask drawn
+    only where the activations are, not drawn whole and sliced. Producers are visited last-first, so a
+    re-seated equation's own input slices become demands on the equations before it."""
+    uses: dict = {}
+    for st in steps:
+        for i, (kind, x, _) in enumerate(st.ins):
+            if kind == "var":
+                uses.setdefault(x, []).append((st, i))
+    returned = {o for o in outs if not isinstance(o, jc.Literal)}
+    for st in reversed(steps):
+        if st.kernel is not None or st.eqn.primitive is _constrain_p:
+            continue
+        want = []
+        for o in st.outs:
+            targets = {u.choice.ins[i] for u, i in uses.get(o, ())}
+            only = targets.pop() if len(targets) == 1 else None
+            want.append(only if o is not None and o not in returned and only is not None and only != env[o] else None)
+        if not any(w is not None for w in want):
+            continue
+        specs = _in_specs(st, env, mesh)
+        saved = sum(plan_redistribute(env[o], w.placements).cost for o, w in zip(st.outs, want) if w is not None)
+        choice = select(st.eqn.primitive, st.eqn.params, specs, [o.aval for o in st.eqn.outvars], consts=st.consts,
+                        mesh=mesh, want=want)
+        free = all(s == t or not plan_redistribute(s, t.placements).collectives for s, t in zip(specs, choice.ins))
+        if choice.outs != st.choice.outs and free and choice.cost <= st.choice.cost + saved + 1e-9:
+            st.choice = choice
+            for o, spec in zip(st.outs, choice.outs):
+                if o is not None:
+                    env[o] = spec
+    for st in steps:  # every move from the (possibly re-seated) producer's spec to what its consumer runs with
+        st.ins = [(kind, x, None if s == t else plan_redistribute(s, t.placements))
+                  for (kind, x, _), s, t in zip(st.ins, _in_specs(st, env, mesh), st.choice.ins)]
+
+
+def _in_specs(st: _Step, env: dict, mesh: Mesh) -> list[Spec]:
+    """The specs a step's inputs come with (a literal is replicated)."""
+    return [env[x] if kind == "var" else Spec(mesh, (Replicate(),) * mesh.devices.ndim, tuple(x.shape), x.dtype)
+            for kind, x, _ in st.ins]
 
 
 def _out_plans(prog: _Program, pins: list) -> list:

@@ -64,22 +64,25 @@ class Choice:
 
 def select(prim: Any, params: dict, in_specs: Sequence[Spec], out_avals: Sequence[Any], *,
            consts: Sequence[Any] | None = None, mesh: Mesh | None = None,
-           cost_model: CostModel | None = None) -> Choice:
+           cost_model: CostModel | None = None, want: Sequence[Spec | None] | None = None) -> Choice:
     """The cheapest correct strategy for ``prim`` with ``params`` on inputs that have ``in_specs``.
 
     ``out_avals`` are the outputs' abstract values (``.shape``, ``.dtype``), as in a jaxpr equation.
     ``consts`` gives, per input, its value when it is a known constant (a jaxpr literal) or None: rules
     may use it (multiplying a ``P(max)`` by a positive constant keeps it). ``mesh`` is needed only when
-    there are no inputs.
+    there are no inputs. ``want`` gives, per output, the spec its consumers need (or None): moving an
+    output there is priced with the strategy, so an equation can produce what is needed directly.
     """
     model = cost_model or DEFAULT_COST_MODEL
     name = prim if isinstance(prim, str) else prim.name
     consts = _consts_key(consts, len(in_specs))
     frozen, outs_key = params_key(params), _avals_key(out_avals)
-    key = (name, frozen, tuple(in_specs), outs_key, consts, mesh, model)
+    want = tuple(want) if want is not None and any(w is not None for w in want) else None
+    key = (name, frozen, tuple(in_specs), outs_key, consts, mesh, model, want)
     hit = _SELECTED.get(key)
     if hit is None:
-        sel = _Selection(name, params, tuple(in_specs), tuple(out_avals), model, consts, mesh, (frozen, outs_key))
+        sel = _Selection(name, params, tuple(in_specs), tuple(out_avals), model, consts, mesh, (frozen, outs_key),
+                         want)
         hit = _SELECTED[key] = sel.run()
     return hit
 
@@ -214,9 +217,9 @@ class _Selection:
     """One selection problem: the filled columns, the per-axis options and the search over them."""
 
     def __init__(self, name: str, params: dict, in_specs: tuple[Spec, ...], out_avals: tuple, model: CostModel,
-                 consts: tuple, mesh: Mesh | None, keys: tuple | None = None):
+                 consts: tuple, mesh: Mesh | None, keys: tuple | None = None, want: tuple | None = None):
         self.name, self.params, self.in_specs, self.out_avals, self.model = name, params, in_specs, out_avals, model
-        self.consts = consts
+        self.consts, self.want = consts, want
         mesh = in_specs[0].mesh if in_specs else mesh
         if mesh is None:
             raise ValueError(f"select('{name}'): an equation without inputs needs mesh=")
@@ -224,7 +227,10 @@ class _Selection:
         self.mesh_shape = tuple(mesh.devices.shape) if mesh is not None else ()
         self.active = tuple(m for m, n in enumerate(self.mesh_shape) if n > 1)
         self.rule = rule_for(name)
-        kinds = sorted({p.split_factor for s in in_specs for p in s.placements if p.is_shard})
+        # the shard kinds to fill placeholders with: the inputs' and those consumers want (an input-free draw
+        # such as random_bits or iota can then be made sharded where its consumers are)
+        kinds = sorted({p.split_factor for s in in_specs + tuple(w for w in want or () if w is not None)
+                        for p in s.placements if p.is_shard})
         frozen, outs_key = keys if keys is not None else (params_key(params), _avals_key(out_avals))
         ckey = (name, frozen, tuple((s.shape, s.dtype) for s in in_specs), outs_key, consts, tuple(kinds))
         cached = _COLUMNS.get(ckey)
@@ -330,6 +336,10 @@ class _Selection:
                 c, ch = self._hop(a, b, nbytes[i], m)
                 cost += c
                 changes += ch
+            for j, w in enumerate(self.want or ()):  # what consumers would pay to move the output
+                if w is not None and col.outs[j] != w.placements[m]:
+                    cost += self._hop(col.outs[j], w.placements[m], self._nbytes(w), m)[0]
+                    changes += 1  # at equal cost, producing what is wanted beats leaving the inputs alone
             if cost < math.inf:
                 opts.append(((cost, changes, -sum(map(_score, col.outs))), col))
         opts.sort(key=lambda o: o[0])
@@ -337,10 +347,10 @@ class _Selection:
 
     # -- the search ----------------------------------------------------------------------------------
     def run(self) -> Choice:
-        # fast path: the inputs already match a rule on every axis
+        # fast path: the inputs already match a rule on every axis (and no consumer asks for more)
         firsts = []
         for m in self.active:
-            hits = self.lookup.get(self.current(m))
+            hits = self.lookup.get(self.current(m)) if self.want is None else None
             if not hits:
                 break
             firsts.append(hits[0])

@@ -397,3 +397,24 @@ def test_cached_programs_are_told_apart_by_specs_trees_and_keywords():
     out = f(jshard.distribute(X, mesh, ways[0]), b={"w": X})  # a plain array leaf: replicated, not confused
     np.testing.assert_array_equal(np.asarray(out.full()), X * 3)
     assert len(f._cache) == 7
+
+
+def test_dropout_masks_are_drawn_only_where_the_activations_are():
+    # the mask's consumers want it sharded like x: the draw itself is made sharded (each device draws its own
+    # elements by their global index), not drawn whole and sliced; the numbers are the single-device ones
+    mesh = make_mesh((2, 4))
+    X = np.random.default_rng(13).normal(size=(8, 16)).astype(np.float32)
+    key = np.asarray(jax.random.key_data(jax.random.key(7)))
+
+    def f(x, k):
+        keep = jax.random.bernoulli(jax.random.wrap_key_data(k), 0.7, x.shape)
+        return jnp.where(keep, x / 0.7, 0)
+
+    args = [jshard.distribute(X, mesh, (Shard(0), Shard(1))), jshard.distribute(key, mesh, (R, R))]
+    ex = jshard.explain(f, *args)
+    bits = [r for r in ex.rows if r["primitive"] == "random_bits"]
+    assert [r["outs"][0].placements for r in bits] == [(Shard(0), Shard(1))]
+    assert ex.totals == {}
+    got, want = np.asarray(jshard.jit(f)(*args).full()), np.asarray(f(X, key))
+    np.testing.assert_array_equal(got == 0, want == 0)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
