@@ -411,7 +411,7 @@ _REUSE = "reuse"  # the input was already moved to this spec for an earlier cons
 @dataclass
 class _Step:
     eqn: jc.JaxprEqn
-    ins: list  # per input: ("var", key, plan | None) or ("lit", value, plan | None)
+    ins: list  # per input: ("var", key, plan | None) or ("lit", value, plan | None); plans set by _reseat
     choice: Choice
     kernel: Callable | None = None  # control flow: the loop / switch over local bodies
     outs: list | None = None  # a fresh key per output (None: dropped); keys, not Vars, name values
@@ -478,10 +478,9 @@ def _walk(jaxpr: jc.Jaxpr, in_vars: list, env: dict, steps: list, mesh: Mesh, si
             if not has_rule(eqn.primitive):  # the warning names the user's line
                 rule_for(eqn.primitive, _Step(eqn, [], None, site=site).source)
             choice = select(eqn.primitive, eqn.params, specs, [o.aval for o in eqn.outvars], consts=consts, mesh=mesh)
-        # constants move like values (R -> P(sum) of a literal: the value on one coordinate)
-        ins = [(kind, x, None if s == t else plan_redistribute(s, t.placements))
-               for (kind, x), s, t in zip(ins, specs, choice.ins)]
-        steps.append(_Step(eqn, ins, choice, kernel, bodies=bodies, site=site, consts=consts))
+        # the moves are planned once the consumers have had their say (_reseat)
+        steps.append(_Step(eqn, [(kind, x, None) for kind, x in ins], choice, kernel, bodies=bodies, site=site,
+                           consts=consts))
         keys = []
         for o, s in zip(eqn.outvars, choice.outs):
             if isinstance(o, jc.DropVar):
@@ -584,7 +583,9 @@ def _reseat(steps: list[_Step], outs: list, env: dict, mesh: Mesh) -> None:
             for o, spec in zip(st.outs, choice.outs):
                 if o is not None:
                     env[o] = spec
-    for st in steps:  # every move from the (possibly re-seated) producer's spec to what its consumer runs with
+    # every move from the (possibly re-seated) producer's spec to what its consumer runs with; constants move
+    # like values (R -> P(sum) of a literal: the value on one coordinate)
+    for st in steps:
         st.ins = [(kind, x, None if s == t else plan_redistribute(s, t.placements))
                   for (kind, x, _), s, t in zip(st.ins, _in_specs(st, env, mesh), st.choice.ins)]
 
