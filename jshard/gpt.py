@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from .placements import Shard
-from .parallel.styles import ColwiseParallel, FullyShard, RowwiseParallel, SequenceParallel
+from .placements import Replicate, Shard
+from .parallel.styles import ColwiseParallel, FullyShard, ParallelStyle, RowwiseParallel, SequenceParallel
 
 __all__ = ["GPT", "cross_entropy", "one_device_trainer", "plan"]
 
@@ -91,6 +91,12 @@ def plan(style: str, dp: str = "dp", tp: str = "tp") -> tuple[dict, tuple]:
     if sp:
         styles.update({"blocks/*/ln1": SequenceParallel(tp), "blocks/*/ln2": SequenceParallel(tp),
                        "ln": SequenceParallel(tp)})
+    else:
+        # the norms' outputs are replicated on tp (they are already): pinning them there makes the gradients
+        # of the column-parallel layers they feed (q, k, v; up; head) sum as Partials and reduce once, before
+        # the norm's backward pass, instead of running that backward pass on pending sums
+        norm_out = ParallelStyle(tp, output=Replicate())
+        styles.update({"blocks/*/ln1": norm_out, "blocks/*/ln2": norm_out, "ln": norm_out})
     return styles, ()
 
 
