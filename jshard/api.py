@@ -125,8 +125,7 @@ class Jitted:
         dyn, statics = self._split(args)
         leaves, treedef = jax.tree.flatten((dyn, kwargs), is_leaf=_is_darray)
         mesh = _mesh_of(leaves)
-        specs = [a.spec if isinstance(a, DArray) else
-                 Spec.create(mesh, (Replicate(),) * mesh.devices.ndim, np.shape(a), _dtype_of(a)) for a in leaves]
+        specs = [a.spec if isinstance(a, DArray) else _replicated(mesh, np.shape(a), _dtype_of(a)) for a in leaves]
         return _explanation(_trace(self._flat_fn(args), treedef, specs, mesh, self.out_placements, args,
                                    list(map(_is_weak, leaves))))
 
@@ -172,18 +171,18 @@ class Jitted:
         key = (treedef, tuple(d.spec for d in darrays), statics) + ((weak,) if any(weak) else ())
         program = self._cache.get(key)
         if program is None:
-            donated = self._donated(args, kwargs)
+            donated = self._donated(args)
             program = self._cache[key] = _compile(self._flat_fn(args), treedef, [d.spec for d in darrays], mesh,
                                                   self.out_placements, args, donated, weak)
         return program, darrays
 
-    def _donated(self, args, kwargs) -> tuple[int, ...]:
-        """Positions among the flat leaves of the donated arguments' leaves."""
+    def _donated(self, args) -> tuple[int, ...]:
+        """Positions among the flat leaves of the donated arguments' leaves (positional ones come first)."""
+        static, donate = ({j % len(args) for j in nums} for nums in (self.static, self.donate))
         out, pos = [], 0
-        dyn_positions = [i for i in range(len(args)) if i not in {j % len(args) for j in self.static}]
-        for i in dyn_positions:
+        for i in (i for i in range(len(args)) if i not in static):
             n = len(jax.tree.leaves(args[i], is_leaf=_is_darray))
-            if i in {j % len(args) for j in self.donate}:
+            if i in donate:
                 out.extend(range(pos, pos + n))
             pos += n
         return tuple(out)
@@ -327,7 +326,7 @@ def _pins(out_placements, out_tree, n_out: int, args) -> list:
     def assign(pin, sub):
         idx = jax.tree.leaves(sub)
         if isinstance(pin, same_as):
-            src = [a.placements for a in jax.tree.leaves(args[pin.argnum], is_leaf=lambda a: isinstance(a, DArray))
+            src = [a.placements for a in jax.tree.leaves(args[pin.argnum], is_leaf=_is_darray)
                    if isinstance(a, DArray)]
             if len(src) != len(idx):
                 raise ValueError(f"jshard.jit: out_placements same_as({pin.argnum}) pins {len(idx)} outputs, but "
@@ -461,7 +460,7 @@ def _walk(jaxpr: jc.Jaxpr, in_vars: list, env: dict, steps: list, mesh: Mesh, si
             if isinstance(v, jc.Literal):
                 key = jax.dtypes.issubdtype(getattr(v.val, "dtype", np.float32), jax.dtypes.extended)
                 val = v.val if key else np.asarray(v.val, dtype=v.aval.dtype)  # PRNG keys stay keys
-                specs.append(Spec(mesh, (Replicate(),) * mesh.devices.ndim, tuple(val.shape), val.dtype))
+                specs.append(_replicated(mesh, val.shape, val.dtype))
                 consts.append(None if key else val)
                 ins.append(("lit", val))
             else:
@@ -546,7 +545,7 @@ def _program(closed: jc.ClosedJaxpr, specs: list[Spec], mesh: Mesh) -> _Program:
                 seen.add((x, target))
     out_specs = []
     for o in outs:  # a constant output is replicated: every device holds it whole
-        out_specs.append(Spec(mesh, (Replicate(),) * mesh.devices.ndim, tuple(np.shape(o.val)), o.aval.dtype)
+        out_specs.append(_replicated(mesh, np.shape(o.val), o.aval.dtype)
                          if isinstance(o, jc.Literal) else env[o])
     return _Program(list(closed.jaxpr.invars), steps, outs, out_specs)
 
@@ -592,8 +591,23 @@ def _reseat(steps: list[_Step], outs: list, env: dict, mesh: Mesh) -> None:
 
 def _in_specs(st: _Step, env: dict, mesh: Mesh) -> list[Spec]:
     """The specs a step's inputs come with (a literal is replicated)."""
-    return [env[x] if kind == "var" else Spec(mesh, (Replicate(),) * mesh.devices.ndim, tuple(x.shape), x.dtype)
-            for kind, x, _ in st.ins]
+    return [env[x] if kind == "var" else _replicated(mesh, x.shape, x.dtype) for kind, x, _ in st.ins]
+
+
+def _replicated(mesh: Mesh, shape, dtype) -> Spec:
+    """The spec of a value every device holds whole (a literal, a constant output)."""
+    return Spec(mesh, (Replicate(),) * mesh.devices.ndim, tuple(shape), dtype)
+
+
+def _communicates(prog: _Program, pins: list) -> bool:
+    """Does running ``prog`` (loop and branch bodies included) and moving its outputs to ``pins`` need a
+    collective?"""
+    for st in prog.steps:
+        if any(isinstance(p, Plan) and p.collectives for _, _, p in st.ins):
+            return True
+        if any(_communicates(body, body_pins) for _, body, body_pins in st.bodies):
+            return True
+    return any(p is not None and p.collectives for p in _out_plans(prog, pins))
 
 
 def _out_plans(prog: _Program, pins: list) -> list:
@@ -662,7 +676,7 @@ def _compile(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placement
     # XLA:CPU runs every device's part of a program on one shared thread pool: with many collective programs
     # queued, parts of one program can wait on each other until the rendezvous aborts the process. Such
     # programs return a completion token (never donated) and at most _CPU_IN_FLIGHT of them are queued.
-    bounded = mesh.devices.flat[0].platform == "cpu" and bool(_explanation(t).totals)
+    bounded = mesh.devices.flat[0].platform == "cpu" and _communicates(t.program, t.pins)
 
     def body(*blocks):
         results = run(*[b.reshape(b.shape[k:]) for b in blocks])

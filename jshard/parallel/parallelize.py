@@ -28,6 +28,7 @@ from functools import lru_cache
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -53,29 +54,30 @@ def parallelize(model: Any, mesh: Mesh, plan: Mapping[str, ParallelStyle | Seque
     default = _styles(default)
     names = list(mesh.axis_names)
     modules = {path: node for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)}
-    matched = {}
-    for path, module in modules.items():  # every module gets an entry: default styles may gather its params
+    matched, used = {}, set()
+    for path in modules:  # every module gets an entry: default styles may gather its params
         key = "/".join(map(str, path))
         pattern = next((p for p in plan if fnmatch.fnmatchcase(key, p)), None)
+        used.add(pattern)
         matched[path] = _styles(plan[pattern]) if pattern is not None else ()
         _check_axes(default + matched[path], names, mesh, key)
-    used = {p for path, styles in matched.items() if styles for p in plan if fnmatch.fnmatchcase("/".join(map(str, path)), p)}
     unused = [p for p in plan if p not in used]
     if unused:
         raise ValueError(f"parallelize: plan pattern(s) {unused} match no module; module paths are "
                          f"{sorted('/'.join(map(str, p)) for p in modules if p)[:12]}")
+    owners = set()
     for path, var in list(nnx.iter_graph(model)):
         if not isinstance(var, nnx.Param):
             continue
         owner_path = next(path[:i] for i in range(len(path) - 1, -1, -1) if path[:i] in modules)
-        owner, name = modules[owner_path], str(path[-1])
+        owners.add(owner_path)
         value = var.get_value()
         full = value.full() if isinstance(value, DArray) else value
-        placements = list(_annotated(var, mesh, jax.numpy.shape(full), full.dtype, rules))
+        shape = tuple(jnp.shape(full))
+        placements = list(_annotated(var, mesh, shape, full.dtype, rules))
         for style in default + matched[owner_path]:
-            placements[names.index(style.axis)] = style.param(owner, name, tuple(jax.numpy.shape(full)))
+            placements[names.index(style.axis)] = style.param(modules[owner_path], str(path[-1]), shape)
         var.set_value(distribute(full, mesh, placements))
-    owners = {path[:-1] for path, var in nnx.iter_graph(model) if isinstance(var, nnx.Param)}
     for path, styles in matched.items():
         io = tuple((s.axis, s.input, s.output, s.pin_input_gradient) for s in styles
                    if s.input is not None or s.output is not None)
