@@ -95,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tokens = corpus(vocab, args.steps * batch * (seq + 1) + 1)
     windows = tokens[: args.steps * batch * (seq + 1)].reshape(args.steps, batch, seq + 1)
-    data_axes = tuple(Shard(0) if a == names[0] or args.style in ("dp", "fsdp") and a != names[-1] else Replicate()
-                      for a in names)
+    data_axes = tuple(Shard(0) if a == names[0] else Replicate() for a in names)  # the batch over the data axis
 
     def shard(step):
         ids, labels = windows[step, :, :-1], windows[step, :, 1:]

@@ -183,3 +183,18 @@ def test_unknown_primitive_runs_replicated_with_one_warning():
         warnings.simplefilter("error")
         clear_caches()
         select(prim, {}, [spec(mesh, (Shard(0), R), (4, 6))], [aval((4, 6))])  # warned once only
+
+
+def test_wanted_outputs_are_produced_directly():
+    # a draw from a replicated key: on its own it runs replicated; asked for a sharded output by its consumers,
+    # it is drawn sharded (no input moves, nothing left for the consumer to slice)
+    from jax.core import ShapedArray
+
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"), devices=jax.devices()[:8])
+    key = Spec(mesh, (Replicate(), Replicate()), (), jax.random.key(0).dtype)
+    out = [ShapedArray((8, 16), np.uint32)]
+    params = {"bit_width": 32, "shape": (8, 16)}
+    assert select("random_bits", params, [key], out).outs[0].placements == (Replicate(), Replicate())
+    want = Spec.create(mesh, (Shard(0), Shard(1)), (8, 16), np.uint32)
+    c = select("random_bits", params, [key], out, want=[want])
+    assert c.outs == (want,) and c.ins == (key,) and c.cost == 0.0
