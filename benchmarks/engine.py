@@ -16,7 +16,6 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
@@ -27,6 +26,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jshard  # noqa: E402
+from report import write_json  # noqa: E402
 from jshard import Replicate, Shard  # noqa: E402
 from jshard import api  # noqa: E402
 from jshard.propagate import clear_caches  # noqa: E402
@@ -211,10 +211,7 @@ def main():
     print("share = jshard's trace + propagate + lowering to StableHLO, of its whole first call (target <= 25%)")
     print(f"steady-state call, tiny function: jshard.jit {over['jshard.jit']:.1f} µs, jax.jit {over['jax.jit']:.1f} µs "
           f"(median ratio {over['ratio']:.2f}, target <= 1.1)")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(steps=rows, overhead_us=over, jax=jax.__version__), f, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, steps=rows, overhead_us=over)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=64")  # planning only: no programs run
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
@@ -28,6 +27,7 @@ from jax.sharding import Mesh  # noqa: E402
 
 from jshard import Partial, Replicate, Shard, Spec  # noqa: E402
 from jshard.propagate import clear_caches, select  # noqa: E402
+from report import write_json  # noqa: E402
 
 R = Replicate()
 
@@ -150,10 +150,7 @@ def main():
     for r in rows:
         if r["mesh"] == "(2,4)":
             print(f"  {r['op']:26} {r['strategy']}")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(rows=rows, dtensor_2x4_us=DTENSOR_2x4, jax=jax.__version__), f, indent=1)
-    print(f"\nwrote {args.out}")
+    write_json(args.out, rows=rows, dtensor_2x4_us=DTENSOR_2x4)
 
 
 if __name__ == "__main__":

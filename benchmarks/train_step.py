@@ -16,7 +16,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
-import json  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -28,6 +27,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 
 import jshard  # noqa: E402
+from report import write_json  # noqa: E402
 from jshard import Replicate, Shard  # noqa: E402
 from jshard.gpt import GPT, cross_entropy, plan  # noqa: E402
 from jshard.parallel import TrainStep, parallelize  # noqa: E402
@@ -134,10 +134,7 @@ def main():
               f"{r['jshard_collectives']} vs {total(r['jax_collectives'])} {r['jax_collectives']}; first call "
               f"{r['jshard_first_call_s']:.1f} s vs {r['jax_first_call_s']:.1f} s; losses agree: {r['losses_agree']} "
               f"(max rel diff {r['loss_max_rel_diff']:.1e}, {r['first_loss']:.3f} -> {r['last_loss']:.3f})")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(rows=rows, jax=jax.__version__), f, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, rows=rows)
 
 
 if __name__ == "__main__":
