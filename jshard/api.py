@@ -207,6 +207,11 @@ def _hashable(v) -> bool:
 
 def _dtype_of(a):
     """The dtype JAX gives a plain argument (Python floats are float32 unless x64 is on)."""
+    dtype = getattr(a, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        raise TypeError(f"jshard.jit: an argument is a typed PRNG key array ({dtype}{list(np.shape(a))}), which "
+                        "jshard cannot distribute yet; pass jax.random.key_data(key) and rebuild the key inside the "
+                        "function with jax.random.wrap_key_data (Flax: keep nnx.Rngs state out of the arguments)")
     return jax.dtypes.canonicalize_dtype(jnp.result_type(a))
 
 

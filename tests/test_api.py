@@ -418,3 +418,10 @@ def test_dropout_masks_are_drawn_only_where_the_activations_are():
     got, want = np.asarray(jshard.jit(f)(*args).full()), np.asarray(f(X, key))
     np.testing.assert_array_equal(got == 0, want == 0)
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_typed_key_arguments_get_a_clear_error():
+    mesh = make_mesh((8,))
+    x = jshard.distribute(np.ones(8, np.float32), mesh, (Shard(0),))
+    with pytest.raises(TypeError, match=r"typed PRNG key array \(key<fry>\[\]\).*key_data"):
+        jshard.jit(lambda x, k: x * jax.random.uniform(k))(x, jax.random.key(0))
