@@ -14,10 +14,10 @@ demo: $(VENV)/.installed
 	$(PY) -m jshard.demo
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --durations=25 tests
 
 test-all: $(VENV)/.installed
-	$(PY) -m pytest -q -m "" tests
+	$(PY) -m pytest -q -n 2 -m "" tests
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/propagation.py

@@ -28,7 +28,7 @@ from flax import nnx
 from .placements import Replicate, Shard
 from .parallel.styles import ColwiseParallel, FullyShard, ParallelStyle, RowwiseParallel, SequenceParallel
 
-__all__ = ["GPT", "cross_entropy", "one_device_trainer", "plan"]
+__all__ = ["GPT", "cross_entropy", "one_device_trainer", "plan", "summed_terms"]
 
 
 class Block(nnx.Module):
@@ -69,6 +69,22 @@ def cross_entropy(logits, labels):
     a masked local lookup — the full logits are never gathered (DTensor's loss parallel)."""
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+
+
+def summed_terms(vocab: int, dim: int, layers: int, seq: int, batch: int, *, steps: int = 1) -> int:
+    """How many terms the loss of ``steps`` training steps sums along its longest chain: the ``n`` of
+    ``jshard.validate.tolerance`` (the rounding of a reordered program grows with its square root).
+
+    Per block: two LayerNorms (mean and variance over ``dim``), the q/k/v, score, o and up contractions
+    (``dim`` each at most), softmax and attention over ``seq``, down over ``4 * dim``; then the final norm,
+    the head, the log-softmax over ``vocab`` and the mean over the batch's tokens. The backward pass sums as
+    many again, and each step's rounding adds to the previous steps' (a random walk over the steps).
+
+    >>> summed_terms(vocab=64, dim=64, layers=2, seq=32, batch=8)
+    4352
+    """
+    forward = layers * (12 * dim + 2 * seq) + 3 * dim + vocab + batch * seq
+    return 2 * forward * steps
 
 
 def plan(style: str, dp: str = "dp", tp: str = "tp") -> tuple[dict, tuple]:

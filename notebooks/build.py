@@ -57,10 +57,11 @@ with jax.set_mesh(explicit):
     print("JAX explicit mode:", np.asarray(jax.reshard(d.astype(jnp.int32), P()))[0, :4])'''),
     ("md", "## Partial(max) and a reduction over two mesh axes\nMonotone maps keep `P(max)`; a sum over both "
            "axes is one all-reduce over the axis tuple, and every replica is bitwise identical."),
-    ("code", '''v = np.random.default_rng(0).standard_normal((6, 10)).astype(np.float32)
+    ("code", '''from jshard.validate.tolerance import is_close
+v = np.random.default_rng(0).standard_normal((6, 10)).astype(np.float32)
 m = jshard.from_local([v - (i % 3) for i in range(8)], mesh, [Partial("max"), Partial("max")])
 e = jshard.jit(lambda t: jnp.exp(t) * 2.0)(m)
-print(e.placements, np.allclose(np.asarray(e.full()), np.exp(v) * 2))
+print(e.placements, is_close(e.full(), np.exp(v) * 2, terms=np.exp(v) * 2))  # exp rounds once per element
 s = jshard.jit(jnp.sum, out_placements=(Replicate(), Replicate()))(jshard.distribute(v, mesh, [Shard(0), Shard(1)]))
 print(jshard.explain(jnp.sum, jshard.distribute(v, mesh, [Shard(0), Shard(1)]), out_placements=(Replicate(), Replicate())).totals)
 blocks = [np.asarray(t) for t in s.to_local()]
@@ -112,7 +113,8 @@ for k in kinds:
 ax.set_ylabel("kB per device per step"); ax.legend(); plt.show()
 print(volumes)'''),
     ("md", "## Training against one device"),
-    ("code", '''from jshard.gpt import one_device_trainer
+    ("code", '''from jshard.gpt import one_device_trainer, summed_terms
+from jshard.validate.tolerance import curve_ratio
 tx = optax.adamw(3e-3)
 reference = one_device_trainer(make(), tx, loss_fn)  # plain jax.jit on one device
 p, default = plan("sp")
@@ -122,7 +124,8 @@ for ids, labels in batches:
     ours.append(float(sp_step(*data((ids, labels)))))
     theirs.append(reference(ids, labels))
 print(np.round(ours, 4)); print(np.round(theirs, 4))
-assert np.allclose(ours, theirs, rtol=1e-4)'''),
+# within the rounding a reordered computation explains, step by step (jshard.validate.tolerance)
+assert curve_ratio(ours, theirs, n_per_step=summed_terms(V, D, L, T, B)) <= 1'''),
 ]
 
 

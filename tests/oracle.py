@@ -6,6 +6,9 @@
   block is its part at its indices, so replicas agree and the parts reduce to the value. Values are
   small integers stored as floats, so sums are exact and every check is bitwise.
 - ``check_darray``: a DArray's per-device blocks against the value, reducing Partial groups on the host.
+- ``assert_close``: float results against single-device ones within the rounding a reordered computation
+  explains (``jshard.validate.tolerance``: from the number and size of the summed terms, never a fixed rtol);
+  exact dtypes exactly.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import re
 import numpy as np
 
 from jshard import Partial, Replicate, Shard, StridedShard
+from jshard.validate.tolerance import assert_close, rounding_bound  # noqa: F401 - the suite's one tolerance
 
 
 def torch_chunk(items: list, n: int) -> list[list]:
@@ -63,6 +67,19 @@ def partial_parts(value: np.ndarray, mesh_shape, placements, rng) -> dict:
     sign = -1 if op == "max" else 1
     return {k: np.where(winner == i, value, value + sign * rng.integers(1, 5, size=value.shape)).astype(value.dtype)
             for i, k in enumerate(keys)}
+
+
+def magnitude(value: np.ndarray, mesh_shape, placements) -> np.ndarray:
+    """Per element, the sum of |part| over the parts ``partial_parts`` splits ``value`` into: what reducing the
+    parts rounds relative to (an unsplit value: ``|value|``). Sum parts beyond the first are integers in
+    [-9, 9], and the first makes up the rest; max/min parts reduce exactly."""
+    axes = partial_axes(placements)
+    mag = np.abs(np.asarray(value)).astype(np.float64)
+    if not axes or np.asarray(value).dtype.kind not in "fcV" or placements[axes[0]].op not in ("sum", "avg"):
+        return mag
+    k = math.prod(mesh_shape[a] for a in axes)
+    n_avg = math.prod(mesh_shape[a] for a in axes if placements[a].op == "avg")
+    return mag * n_avg + 18.0 * (k - 1)
 
 
 def local_blocks(value: np.ndarray, mesh_shape, placements, rng) -> list[np.ndarray]:

@@ -10,7 +10,7 @@ from jshard import demo, tour
 def test_the_demo_trains_like_one_device(style, capsys):
     assert demo.main(["--style", style, "--steps", "3", "--layers", "1"]) == 0
     out = capsys.readouterr().out
-    assert "-> OK (rtol 1e-4)" in out and "all_reduce x" in out.split("one training step communicates:")[1]
+    assert "of the rounding bound -> OK" in out and "all_reduce x" in out.split("one training step communicates:")[1]
 
 
 def test_the_demo_rejects_a_malformed_mesh():

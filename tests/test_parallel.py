@@ -12,12 +12,15 @@ from flax import nnx
 import jshard
 from conftest import make_mesh
 from jshard import Replicate, Shard
-from jshard.gpt import GPT, cross_entropy, plan
+from jshard.validate.tolerance import curve_ratio
+from oracle import assert_close
+from jshard.gpt import GPT, cross_entropy, plan, summed_terms
 from jshard.parallel import (ColwiseParallel, FullyShard, RowwiseParallel, TrainStep,
                              init_optimizer, parallelize, placements_of)
 
 R = Replicate()
 V, D, H, L, T, B = 48, 16, 4, 2, 8, 4  # heads divisible by tp=4: attention stays head-parallel
+N = summed_terms(V, D, L, T, B)  # a step's summation chain: what float differences from one device scale with
 
 
 def gpt():
@@ -31,6 +34,13 @@ def batch(seed=0):
 
 def loss_fn(model, ids, labels):
     return cross_entropy(model(ids), labels)
+
+
+def tree_scale(tree) -> float:
+    """The largest magnitude in a gradient (or parameter) tree: what every element's rounding is relative to. A
+    gradient that is zero up to rounding (the key bias's: softmax ignores a constant shift) sums terms of the
+    network's scale, not of its own."""
+    return max(float(np.max(np.abs(np.asarray(a)))) for a in jax.tree.leaves(tree))
 
 
 def test_styles_place_parameters_per_mesh_axis():
@@ -93,11 +103,11 @@ def test_loss_and_gradients_match_one_device(mesh_shape, style):
     args = [jshard.distribute(a, mesh, data) for a in (ids, labels)]
     ref = gpt()
     loss = jshard.jit(loss_fn, out_placements=(R,) * len(mesh_shape))(model, *args)
-    np.testing.assert_allclose(float(loss), loss_fn(ref, ids, labels), rtol=1e-5)
+    assert_close(loss.full(), loss_fn(ref, ids, labels), n=N)
     grads = jshard.jit(nnx.grad(loss_fn))(model, *args)
     want = nnx.grad(loss_fn)(ref, ids, labels)
     for g, w in zip(jax.tree.leaves(grads, is_leaf=lambda a: isinstance(a, jshard.DArray)), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(g.full()), w, rtol=1e-4, atol=1e-6)
+        assert_close(g.full(), w, n=N, terms=tree_scale(want))
 
 
 def _stablehlo(text):
@@ -140,7 +150,8 @@ def _reference_training(tx, steps):
     return losses, params
 
 
-@pytest.mark.parametrize("style", ["tp", "sp", "fsdp", "dp"])
+@pytest.mark.parametrize("style", ["tp", pytest.param("sp", marks=pytest.mark.slow), "fsdp",
+                                   pytest.param("dp", marks=pytest.mark.slow)])  # every style's gradients: above
 def test_training_matches_one_device_and_keeps_placements(style):
     mesh = make_mesh((2, 4))
     p, default = plan(style)
@@ -153,14 +164,14 @@ def test_training_matches_one_device_and_keeps_placements(style):
         ids, labels = batch(i)
         losses.append(float(step(*(jshard.distribute(a, mesh, (Shard(0), R)) for a in (ids, labels)))))
     want, want_params = _reference_training(tx, 4)
-    np.testing.assert_allclose(losses, want, rtol=1e-4)
+    assert curve_ratio(losses, want, n_per_step=N) <= 1, (losses, want)
     assert losses[-1] < losses[0]
     assert placements_of(nnx.state(step.model, nnx.Param)) == before
     mu = step.opt_state[0].mu  # adamw: (ScaleByAdamState(count, mu, nu), ...)
     assert placements_of(mu) == placements_of(step.params)
     for got, w in zip(jax.tree.leaves(step.params, is_leaf=lambda a: isinstance(a, jshard.DArray)),
                       jax.tree.leaves(want_params)):
-        np.testing.assert_allclose(np.asarray(got.full()), w, rtol=1e-3, atol=1e-5)
+        assert_close(got.full(), w, n=N * 5, terms=tree_scale(want_params))
 
 
 def test_optimizer_state_mirrors_parameter_placements():
@@ -230,10 +241,10 @@ def test_vocabulary_parallel_embedding_looks_up_locally_and_reduces_once():
     ex = jshard.explain(lambda m, x: m.tok(x), model, args[0])
     assert [(m[1], m[2]) for r in ex.rows for m in r["moves"]] == [("all_reduce", ("tp",))]  # masked lookups summed
     loss = jshard.jit(loss_fn, out_placements=(R, R))(model, *args)
-    np.testing.assert_allclose(float(loss), loss_fn(gpt(), ids, labels), rtol=1e-5)
+    assert_close(loss.full(), loss_fn(gpt(), ids, labels), n=N)
     grads = jshard.jit(nnx.grad(loss_fn))(model, *args)
-    np.testing.assert_allclose(np.asarray(grads.tok.embedding.get_value().full()),
-                               nnx.grad(loss_fn)(gpt(), ids, labels).tok.embedding.get_value(), rtol=1e-4, atol=1e-6)
+    assert_close(grads.tok.embedding.get_value().full(), nnx.grad(loss_fn)(gpt(), ids, labels).tok.embedding.get_value(),
+                 n=N)
 
 
 def test_loss_parallel_cross_entropy_never_gathers_the_logits():
@@ -252,4 +263,4 @@ def test_loss_parallel_cross_entropy_never_gathers_the_logits():
         moves = [m for r in jshard.explain(f, model, *args).rows for m in r["moves"]]
         assert not [m for m in moves if m[1] in ("all_gather", "all_reduce") and m[3] >= logits_bytes]
     loss = jshard.jit(loss_fn, out_placements=(R, R))(model, *args)
-    np.testing.assert_allclose(float(loss), loss_fn(make(), ids, labels), rtol=1e-5)
+    assert_close(loss.full(), loss_fn(make(), ids, labels), n=summed_terms(vocab, D, 1, T, B))

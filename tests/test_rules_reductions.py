@@ -19,6 +19,7 @@ from jshard.propagate import select
 from jshard.rules.reductions import _sort
 from jshard.validate import samples as sample_modules
 from jshard.validate.core import Sample, collect, run_equation, validate
+from oracle import assert_close, magnitude
 from oracle import poisoned as darray
 
 R = Replicate()
@@ -53,6 +54,16 @@ def equation(fn, *args):
     return eqn
 
 
+def _reduced_sizes(eqn, values, mesh_shape, placements):
+    """What a float reduction's rounding scales with: the same reduction of the inputs' part sizes (a sum of
+    Partial parts rounds relative to the parts, not to their sum); None (the result's scale) where the
+    primitive takes no such input (integer operands, several outputs)."""
+    if eqn.primitive.multiple_results or any(np.asarray(v).dtype.kind not in "fV" for v in values):
+        return None
+    sizes = [jnp.asarray(magnitude(v, mesh_shape, p), np.asarray(v).dtype) for v, p in zip(values, placements)]
+    return np.asarray(eqn.primitive.bind(*sizes, **eqn.params))
+
+
 def check(fn, values, mesh_shape, placements, *, free=True):
     """Run the equation of ``fn(*values)`` on DArrays with ``placements`` and compare every output with
     the single-device result; ``free``: the inputs already match a strategy, so nothing moves and the
@@ -65,10 +76,11 @@ def check(fn, values, mesh_shape, placements, *, free=True):
         warnings.simplefilter("ignore")
         outs, choice = run_equation(eqn.primitive, eqn.params, inputs)
     truths = eqn.primitive.bind(*values, **eqn.params)
+    terms = _reduced_sizes(eqn, values, mesh_shape, placements)
     for got, truth in zip(outs, truths if eqn.primitive.multiple_results else [truths]):
         got, truth = np.asarray(got.full()), np.asarray(truth)
         assert got.dtype == truth.dtype
-        np.testing.assert_allclose(got.astype(np.float64), truth.astype(np.float64), rtol=1e-5, atol=1e-5)
+        assert_close(got, truth, n=max(np.size(v) for v in values), terms=terms)
     if free:
         assert choice.cost == 0.0 and [s.placements for s in choice.ins] == [x.placements for x in inputs], choice
     return choice
