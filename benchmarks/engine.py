@@ -29,7 +29,7 @@ import jshard  # noqa: E402
 from report import write_json  # noqa: E402
 from jshard import Replicate, Shard  # noqa: E402
 from jshard import api  # noqa: E402
-from jshard.propagate import clear_caches  # noqa: E402
+from jshard import clear_caches  # noqa: E402
 
 R = Replicate()
 V, D, H, F, B, T = 64, 32, 4, 128, 4, 16

@@ -26,7 +26,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from jshard import Partial, Replicate, Shard, Spec  # noqa: E402
-from jshard.propagate import clear_caches, select  # noqa: E402
+from jshard import clear_caches  # noqa: E402
+from jshard.propagate import select  # noqa: E402
 from report import write_json  # noqa: E402
 
 R = Replicate()

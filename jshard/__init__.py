@@ -14,8 +14,9 @@ True
 """
 
 from .api import Explanation, apply, constrain, explain, jit, same_as
+from .caches import clear_caches
 from .cost import AxisCost, CostModel
-from .darray import DArray, distribute, from_jax, from_local
+from .darray import DArray, DeletedArrayError, distribute, from_jax, from_local
 from .placements import Partial, Placement, PlacementError, Replicate, Shard, StridedShard
 from .planner import Plan, Step, plan_redistribute
 from .spec import LayoutError, Spec
@@ -25,6 +26,7 @@ __all__ = [
     "AxisCost",
     "CostModel",
     "DArray",
+    "DeletedArrayError",
     "Explanation",
     "LayoutError",
     "Partial",
@@ -37,6 +39,7 @@ __all__ = [
     "Step",
     "StridedShard",
     "apply",
+    "clear_caches",
     "constrain",
     "distribute",
     "explain",

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -37,7 +38,8 @@ from jax.extend import source_info_util
 from jax.extend.source_info_util import summarize
 from jax.sharding import Mesh, PartitionSpec
 
-from .darray import DArray, distribute
+from .caches import Cache
+from .darray import DArray, DeletedArrayError, distribute, donation_of, donation_slot
 from .lowering import local_equation, local_program
 from .placements import Placement, Replicate, format_placements
 from .planner import Plan, plan_redistribute
@@ -59,6 +61,10 @@ class same_as:  # noqa: N801 - reads as a function in out_placements
 
     argnum: int
 
+    def __post_init__(self):
+        if not isinstance(self.argnum, int) or isinstance(self.argnum, bool):
+            raise TypeError(f"jshard.same_as: argnum must be the int position of an argument, got {self.argnum!r}")
+
 
 def jit(fn: Callable, *, out_placements: Any = None, static_argnums: int | Sequence[int] = (),
         donate_argnums: int | Sequence[int] = ()) -> Jitted:
@@ -67,7 +73,9 @@ def jit(fn: Callable, *, out_placements: Any = None, static_argnums: int | Seque
     Returns DArrays. ``out_placements`` pins outputs: a pytree prefix of the outputs whose leaves are a
     placement tuple, ``same_as(argnum)`` or None (free). ``static_argnums`` are fixed at trace time (hashable
     Python values: sizes, flags, modes), ``donate_argnums`` hand their arguments' storage to the outputs (the
-    donated DArrays are deleted). Compiled programs are cached by the arguments' specs, tree structure and
+    donated DArrays are deleted; using one again raises ``DeletedArrayError`` naming the call it went to).
+    Negative argnums count from the end, as in ``jax.jit``. Typed PRNG key arrays (``jax.random.key``) are
+    arguments like any other. Compiled programs are cached by the arguments' specs, tree structure and
     static values: a repeated call does no tracing. ``.lower(*args)`` gives the lowered program (for its HLO),
     ``.explain(*args)`` the plan.
 
@@ -78,8 +86,13 @@ def jit(fn: Callable, *, out_placements: Any = None, static_argnums: int | Seque
     >>> power(x, 2).full().tolist()[:4], power(x, 3).placements
     ([0.0, 1.0, 4.0, 9.0], (S(0),))
     """
-    return Jitted(fn, out_placements, _argnums(static_argnums, "static_argnums"),
-                  _argnums(donate_argnums, "donate_argnums"))
+    if not callable(fn):
+        raise TypeError(f"jshard.jit: fn must be callable, got {type(fn).__name__} {fn!r:.60}")
+    if not (out_placements is None or isinstance(out_placements, (tuple, list, dict, same_as))):
+        raise TypeError(f"jshard.jit: out_placements must be a pytree prefix of the outputs with placement tuples, "
+                        f"same_as(argnum) or None as leaves, got {type(out_placements).__name__} {out_placements!r}")
+    return Jitted(fn, out_placements, _argnums(static_argnums, "static_argnums", fn),
+                  _argnums(donate_argnums, "donate_argnums", fn))
 
 
 class Jitted:
@@ -91,9 +104,9 @@ class Jitted:
             raise ValueError(f"jshard.jit: argument(s) {sorted(set(static) & set(donate))} are both in static_argnums "
                              f"{static} and donate_argnums {donate}; a static value has no storage to donate")
         self.fn, self.out_placements, self.static, self.donate = fn, out_placements, static, donate
-        self._cache: dict = {}
-        self._by_tree: dict = {}
-        self._by_specs: dict = {}
+        self._static_names = _parameter_names(fn, static)
+        # programs by full key; the steady-state paths by DArray specs and by tree structure (see __call__)
+        self._cache, self._by_tree, self._by_specs = Cache(256), Cache(256), Cache(256)
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs) -> Any:
@@ -110,9 +123,9 @@ class Jitted:
                 return program.run_blocks(blocks)
         program, darrays = self._prepare(args, kwargs)
         if not self.static and all(isinstance(a, DArray) for a in jax.tree.leaves((args, kwargs), is_leaf=_is_darray)):
-            self._by_tree[jax.tree.structure((args, kwargs))] = program
+            self._by_tree.put(jax.tree.structure((args, kwargs)), program)
             if not kwargs and all(type(a) is DArray for a in args):
-                self._by_specs[tuple(a.spec for a in args)] = program
+                self._by_specs.put(tuple(a.spec for a in args), program)
         return program(darrays)
 
     def lower(self, *args, **kwargs) -> Any:
@@ -122,24 +135,32 @@ class Jitted:
 
     def explain(self, *args, **kwargs) -> Explanation:
         """The plan these arguments would run with, as data (see ``jshard.explain``)."""
-        dyn, statics = self._split(args)
+        dyn, statics = self._split(args, kwargs)
         leaves, treedef = jax.tree.flatten((dyn, kwargs), is_leaf=_is_darray)
-        mesh = _mesh_of(leaves)
-        specs = [a.spec if isinstance(a, DArray) else _replicated(mesh, np.shape(a), _dtype_of(a)) for a in leaves]
-        return _explanation(_trace(self._flat_fn(args), treedef, specs, mesh, self.out_placements, args,
-                                   list(map(_is_weak, leaves))))
+        mesh = _mesh_of(leaves, self._name)
+        values, keys = self._values(leaves, treedef, statics)
+        specs = [v.spec if isinstance(v, DArray) else _replicated(mesh, v.shape, v.dtype) for v in values]
+        return _explanation(_trace(self._traced_fn(args, treedef, keys), treedef, specs, mesh, self.out_placements,
+                                   args, list(map(_is_weak, leaves)), self._name))
 
-    def _split(self, args):
-        n = len(args)
-        static = {i % n if n else i for i in self.static}
-        if any(i >= n for i in static):
-            raise ValueError(f"jshard.jit: static_argnums {self.static} name arguments that were not passed "
-                             f"(got {n} positional arguments)")
+    @property
+    def _name(self) -> str:
+        return _fn_name(self.fn)
+
+    def _split(self, args, kwargs):
+        """(dynamic positional arguments, ((position, static value), ...)) of a call."""
+        if not self.static:
+            return args, ()
+        passed = self._static_names & kwargs.keys()
+        if passed:
+            raise TypeError(f"jshard.jit: {self._name} takes {sorted(passed)} as static (static_argnums={self.static}) "
+                            "but they were passed as keywords; pass static arguments positionally")
+        static = _resolve(self.static, len(args), "static_argnums", self._name)
         return tuple(a for i, a in enumerate(args) if i not in static), tuple((i, args[i]) for i in sorted(static))
 
     def _flat_fn(self, args):
         """``fn`` of (dynamic args, kwargs), with the static values of this call put back in place."""
-        _, statics = self._split(args)
+        _, statics = self._split(args, {})
 
         def flat(dyn, kwargs):
             full, it = [], iter(dyn)
@@ -150,8 +171,40 @@ class Jitted:
 
         return flat
 
+    def _where(self, leaf: int, treedef, statics=()) -> str:
+        """The user's name for flat leaf ``leaf`` of a call: ``argument 1['w']`` or ``keyword 'b'``."""
+        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(treedef, range(treedef.num_leaves)))[0]]
+        path = paths[leaf]
+        kind, pos = path[0].idx, path[1]
+        rest = jax.tree_util.keystr(tuple(path[2:]))
+        if kind == 1:
+            return f"keyword {pos.key!r}{rest} of {self._name}"
+        static = sorted(i for i, _ in statics)
+        argnum = [i for i in range(pos.idx + len(static) + 1) if i not in static][pos.idx]
+        return f"argument {argnum}{rest} of {self._name}"
+
+    def _values(self, leaves: list, treedef, statics) -> tuple[list, dict]:
+        """Per flat leaf: the DArray, or the host value a plain leaf is distributed (replicated) from; and
+        ``{position: PRNG implementation}`` of typed keys, which travel as their key data."""
+        keys = {i: jax.random.key_impl(a) for i, a in enumerate(leaves) if _is_key(a)}
+        return [a if isinstance(a, DArray) else jax.random.key_data(a) if i in keys else
+                np.asarray(a, _dtype_of(a, self._where(i, treedef, statics))) for i, a in enumerate(leaves)], keys
+
+    def _traced_fn(self, args, treedef, keys: dict) -> Callable:
+        """The function traced for a call: (dynamic args, kwargs) in, typed keys wrapped again from key data."""
+        fn = self._flat_fn(args)
+        if not keys:
+            return fn
+
+        def call(*tree):
+            leaves = [jax.random.wrap_key_data(a, impl=keys[i]) if i in keys else a
+                      for i, a in enumerate(jax.tree.leaves(tree))]
+            return fn(*jax.tree.unflatten(treedef, leaves))
+
+        return call
+
     def _prepare(self, args, kwargs):
-        dyn, statics = self._split(args) if self.static else (args, ())
+        dyn, statics = self._split(args, kwargs)
         leaves, treedef = jax.tree.flatten((dyn, kwargs), is_leaf=_is_darray)
         specs = tuple(a.spec if isinstance(a, DArray) else None for a in leaves)
         key = (treedef, specs, statics) if None not in specs else None
@@ -159,26 +212,31 @@ class Jitted:
             program = self._cache.get(key)
         except TypeError:
             bad = [i for i, v in statics if not _hashable(v)]
-            raise TypeError(f"jshard.jit: static argument(s) {bad} of {getattr(self.fn, '__name__', self.fn)} are not "
-                            f"hashable ({', '.join(type(dict(statics)[i]).__name__ for i in bad)}); static_argnums "
-                            "values must be hashable (tuples, not lists or arrays)") from None
+            raise TypeError(f"jshard.jit: static argument(s) {bad} of {self._name} are not hashable "
+                            f"({', '.join(type(dict(statics)[i]).__name__ for i in bad)}); static_argnums values must "
+                            "be hashable (tuples, not lists or arrays)") from None
         if program is not None:
             return program, leaves
-        mesh = _mesh_of(leaves)
-        darrays = [a if isinstance(a, DArray) else distribute(np.asarray(a, _dtype_of(a)), mesh,
-                                                              (Replicate(),) * mesh.devices.ndim) for a in leaves]
+        mesh = _mesh_of(leaves, self._name)
+        values, keys = self._values(leaves, treedef, statics)
+        darrays = [v if isinstance(v, DArray) else distribute(v, mesh, (Replicate(),) * mesh.devices.ndim)
+                   for v in values]
         weak = tuple(map(_is_weak, leaves))
-        key = (treedef, tuple(d.spec for d in darrays), statics) + ((weak,) if any(weak) else ())
+        key = (treedef, tuple(d.spec for d in darrays), statics, tuple(keys.items())) + ((weak,) if any(weak) else ())
         program = self._cache.get(key)
         if program is None:
-            donated = self._donated(args)
-            program = self._cache[key] = _compile(self._flat_fn(args), treedef, [d.spec for d in darrays], mesh,
-                                                  self.out_placements, args, donated, weak)
+            program = _compile(self._traced_fn(args, treedef, keys), treedef, [d.spec for d in darrays], mesh,
+                               self.out_placements, args, self._donated(args), weak, name=self._name,
+                               where=functools.partial(self._where, treedef=treedef, statics=statics))
+            self._cache.put(key, program)
         return program, darrays
 
     def _donated(self, args) -> tuple[int, ...]:
         """Positions among the flat leaves of the donated arguments' leaves (positional ones come first)."""
-        static, donate = ({j % len(args) for j in nums} for nums in (self.static, self.donate))
+        if not self.donate:
+            return ()
+        static = _resolve(self.static, len(args), "static_argnums", self._name)
+        donate = _resolve(self.donate, len(args), "donate_argnums", self._name)
         out, pos = [], 0
         for i in (i for i in range(len(args)) if i not in static):
             n = len(jax.tree.leaves(args[i], is_leaf=_is_darray))
@@ -197,6 +255,13 @@ def _is_weak(a) -> bool:
     return type(a) in (int, float, complex)
 
 
+def _is_key(a) -> bool:
+    """A plain typed PRNG key array (``jax.random.key``), which travels as its key data (a DArray of keys, returned
+    by an earlier call, is an argument like any other DArray)."""
+    dtype = getattr(a, "dtype", None)
+    return not isinstance(a, DArray) and dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
 def _hashable(v) -> bool:
     try:
         hash(v)
@@ -205,37 +270,94 @@ def _hashable(v) -> bool:
         return False
 
 
-def _dtype_of(a):
+_TRACED = ("jshard.jit: {what}: a DArray reached a JAX transformation (jax.jit, lax.scan, jax.grad, ...) or "
+           "was closed over by a jshard.jit function. DArrays run through jshard.jit as arguments: wrap the whole "
+           "computation in jshard.jit and pass every DArray it uses as an argument")
+
+
+def _dtype_of(a, where: str):
     """The dtype JAX gives a plain argument (Python floats are float32 unless x64 is on)."""
-    dtype = getattr(a, "dtype", None)
-    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
-        raise TypeError(f"jshard.jit: an argument is a typed PRNG key array ({dtype}{list(np.shape(a))}), which "
-                        "jshard cannot distribute yet; pass jax.random.key_data(key) and rebuild the key inside the "
-                        "function with jax.random.wrap_key_data (Flax: keep nnx.Rngs state out of the arguments)")
+    if isinstance(a, jax.core.Tracer):
+        raise TypeError(_TRACED.format(what=f"{where} is a JAX tracer"))
+    if not isinstance(a, (np.ndarray, np.generic, jax.Array, bool, int, float, complex)):
+        raise TypeError(f"jshard.jit: {where} is a {type(a).__name__} ({a!r:.40}), not an array; pass arrays, "
+                        "DArrays or numbers, or mark it static with static_argnums")
     return jax.dtypes.canonicalize_dtype(jnp.result_type(a))
 
 
-def _mesh_of(leaves) -> Mesh:
-    mesh = next((a.mesh for a in leaves if isinstance(a, DArray)), None)
-    if mesh is None:
-        raise ValueError("jshard.jit: no DArray among the arguments, so there is no mesh to run on; "
+def _mesh_of(leaves, name: str) -> Mesh:
+    meshes = list(dict.fromkeys(a.mesh for a in leaves if isinstance(a, DArray)))
+    if not meshes:
+        raise ValueError(f"jshard.jit: no DArray among the arguments of {name}, so there is no mesh to run on; "
                          "distribute one input with jshard.distribute(x, mesh, placements)")
-    return mesh
+    if len(meshes) > 1:
+        raise ValueError(f"jshard.jit: the DArray arguments of {name} live on different meshes, "
+                         f"{_mesh_desc(meshes[0])} and {_mesh_desc(meshes[1])}; one program runs on one mesh: "
+                         "redistribute onto one (jshard.distribute(x.full(), mesh, placements))")
+    return meshes[0]
 
 
-def _argnums(nums, name: str) -> tuple[int, ...]:
-    nums = (nums,) if isinstance(nums, int) else tuple(nums)
-    if not all(isinstance(i, int) for i in nums):
+def _mesh_desc(mesh: Mesh) -> str:
+    return f"{format_mesh(mesh)} of devices {[d.id for d in mesh.devices.flat]}"
+
+
+def _argnums(nums, name: str, fn: Callable) -> tuple[int, ...]:
+    """``nums`` as a tuple of ints, checked against ``fn``'s positional parameters when it has a fixed number."""
+    nums = (nums,) if isinstance(nums, int) else tuple(nums) if isinstance(nums, (tuple, list, range)) else nums
+    if not isinstance(nums, tuple) or not all(isinstance(i, int) and not isinstance(i, bool) for i in nums):
         raise TypeError(f"jshard.jit: {name} must be an int or a sequence of ints, got {nums!r}")
+    n = _arity(fn)
+    if n is not None:
+        _resolve(nums, n, name, _fn_name(fn))
     return nums
 
 
-_APPLIED: dict = {}
+def _arity(fn: Callable) -> int | None:
+    """How many positional arguments ``fn`` takes, or None where that is open (``*args``, no signature)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return None
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
+def _parameter_names(fn: Callable, nums: tuple[int, ...]) -> frozenset:
+    """The parameter names at positions ``nums`` (a static argument passed by keyword is refused by name)."""
+    try:
+        params = [p for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return frozenset()
+    return frozenset(params[i].name for i in nums if -len(params) <= i < len(params))
+
+
+def _resolve(nums: tuple[int, ...], n: int, name: str, fn_name: str) -> frozenset:
+    """Argnums of a call with ``n`` positional arguments, negative ones counted from the end (``jax.jit``'s rule)."""
+    out = set()
+    for i in nums:
+        if not -n <= i < n:
+            raise ValueError(f"jshard.jit: {name} {i} is out of range for {fn_name}, which takes {n} positional "
+                             f"argument(s) here; argnums count from 0 (negative ones from the end)")
+        out.add(i % n)
+    return frozenset(out)
+
+
+def _fn_name(fn: Callable) -> str:
+    """``name (file.py:line)`` of a user's function, for errors."""
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    code = getattr(inspect.unwrap(fn), "__code__", None)
+    return f"{name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})" if code is not None else name
+
+
+_APPLIED = Cache(512)
 
 
 def apply(f: Callable, *args, **static) -> Any:
     """Run ``f`` (any JAX function at global shapes) on DArrays eagerly, through a cached single-call program;
-    ``static`` keyword arguments (axes, dtypes, indices) are fixed at trace time. DArray operators use it.
+    ``static`` keyword arguments (axes, dtypes, indices) are fixed at trace time, arrays among them are keyed
+    by their contents (boolean masks stay static; their shapes decide the result's). DArray operators use it.
 
     >>> import jax, jax.numpy as jnp, numpy as np, jshard
     >>> from jshard import Shard
@@ -243,11 +365,39 @@ def apply(f: Callable, *args, **static) -> Any:
     >>> jshard.apply(jnp.sum, x, axis=0).full().tolist()
     [12.0, 16.0]
     """
-    key = (f, repr(sorted(static.items())))
+    leaves, tree = jax.tree.flatten(static)
+    dynamic = tuple(i for i, v in enumerate(leaves) if isinstance(v, (DArray, jax.Array)) or
+                    isinstance(v, np.ndarray) and v.dtype != np.bool_)
+    key = (f, tree, dynamic, tuple(None if i in dynamic else _by_value(v, f) for i, v in enumerate(leaves)))
     program = _APPLIED.get(key)
     if program is None:
-        program = _APPLIED[key] = jit(functools.partial(f, **static) if static else f)
-    return program(*args)
+        fixed = [None if i in dynamic else v for i, v in enumerate(leaves)]
+
+        @functools.wraps(f)  # errors name f, not this wrapper
+        def call(*a):
+            vals, it = list(fixed), iter(a[len(a) - len(dynamic):])
+            for i in dynamic:
+                vals[i] = next(it)
+            return f(*a[:len(a) - len(dynamic)], **jax.tree.unflatten(tree, vals))
+
+        call.__qualname__ = getattr(f, "__qualname__", getattr(call, "__name__", "apply"))  # a jnp ufunc has none
+
+        program = jit(call)
+        _APPLIED.put(key, program)
+    return program(*args, *[leaves[i] for i in dynamic])
+
+
+def _by_value(v, f: Callable) -> Any:
+    """A hashable key equal for equal values of a static argument of ``apply(f, ...)``: arrays by shape, dtype and
+    bytes; slices by their fields."""
+    if isinstance(v, np.ndarray):
+        return ("ndarray", v.shape, v.dtype.str, v.tobytes())
+    if isinstance(v, slice):
+        return ("slice", _by_value(v.start, f), _by_value(v.stop, f), _by_value(v.step, f))
+    if not _hashable(v):
+        raise TypeError(f"apply({_fn_name(f)}): static argument {v!r:.60} of type {type(v).__name__} is not hashable; "
+                        "pass a tuple or an array")
+    return (type(v), v)
 
 
 @dataclass
@@ -330,7 +480,13 @@ def _pins(out_placements, out_tree, n_out: int, args) -> list:
 
     def assign(pin, sub):
         idx = jax.tree.leaves(sub)
+        if not _is_pin(pin):
+            raise TypeError(f"jshard.jit: out_placements has {pin!r} where a placement tuple (one per mesh axis), "
+                            "same_as(argnum) or None belongs")
         if isinstance(pin, same_as):
+            if not -len(args) <= pin.argnum < len(args):
+                raise ValueError(f"jshard.jit: out_placements names same_as({pin.argnum}), but the function was "
+                                 f"called with {len(args)} positional argument(s)")
             src = [a.placements for a in jax.tree.leaves(args[pin.argnum], is_leaf=_is_darray)
                    if isinstance(a, DArray)]
             if len(src) != len(idx):
@@ -342,7 +498,13 @@ def _pins(out_placements, out_tree, n_out: int, args) -> list:
             for i in idx:
                 pins[i] = tuple(pin)
 
-    jax.tree.map(assign, out_placements, positions, is_leaf=_is_pin)
+    try:
+        jax.tree.map(assign, out_placements, positions, is_leaf=_is_pin)
+    except ValueError as e:
+        if "structure" not in str(e) and "mismatch" not in str(e).lower():
+            raise
+        raise ValueError(f"jshard.jit: out_placements {out_placements!r:.80} is not a prefix of the outputs' tree "
+                         f"{out_tree}; give one entry per output (None leaves an output free)") from None
     return pins
 
 
@@ -353,16 +515,35 @@ def constrain(x, placements, *, pin_gradient: bool = True) -> Any:
     input gradient stays ``Partial(sum)``, summed with its siblings' and reduced once further back).
 
     ``placements`` is one entry per mesh axis, or a dict ``{axis name: placement}``; a None entry (or an axis
-    the dict leaves out) keeps that axis as the engine has it. ``Shard(-1)`` counts from the last dim.
+    the dict leaves out) keeps that axis as the engine has it. ``Shard(-1)`` counts from the last dim. Outside
+    ``jshard.jit`` a DArray is redistributed there, as ``jax.lax.with_sharding_constraint`` does eagerly.
 
     >>> import jax, numpy as np, jshard
     >>> from jshard import Shard, Replicate
     >>> x = jshard.distribute(np.arange(8.0), jax.make_mesh((8,), ("x",)), [Replicate()])
     >>> jshard.jit(lambda x: jshard.constrain(x * 2, [Shard(0)]) + 1)(x).placements
     (S(0),)
+    >>> jshard.constrain(x, {"x": Shard(0)}).placements
+    (S(0),)
     """
-    placements = tuple(placements.items()) if isinstance(placements, dict) else tuple(placements)
-    return _constrain_p.bind(x, placements=placements, pin_gradient=pin_gradient)
+    if isinstance(placements, dict):
+        entries = tuple(placements.items())
+        if not all(isinstance(k, str) and isinstance(p, Placement) for k, p in entries):
+            raise TypeError(f"jshard.constrain: a placements dict maps mesh axis names to placements, got {placements!r}")
+    elif isinstance(placements, (tuple, list)):
+        entries = tuple(placements)
+        if not all(p is None or isinstance(p, Placement) for p in entries):
+            raise TypeError(f"jshard.constrain: placements holds {next(p for p in entries if not (p is None or isinstance(p, Placement)))!r}; "
+                            "each entry is a placement (Shard(0), Replicate(), ...) or None")
+    else:
+        raise TypeError(f"jshard.constrain: placements must be a sequence with one placement (or None) per mesh axis, "
+                        f"or a dict {{axis name: placement}}; got {placements!r}" +
+                        (f" (write ({placements!r},) for a one-axis mesh)" if isinstance(placements, Placement) else ""))
+    if not isinstance(pin_gradient, bool):
+        raise TypeError(f"jshard.constrain: pin_gradient must be True or False, got {pin_gradient!r}")
+    if isinstance(x, DArray):
+        return x.redistribute(_constrain_target(x.spec, entries).placements)
+    return _constrain_p.bind(x, placements=entries, pin_gradient=pin_gradient)
 
 
 def _constrain_target(spec: Spec, placements: tuple) -> Spec:
@@ -655,13 +836,24 @@ def _local(prog: _Program, pins: list | None = None) -> Callable:
     return run
 
 
-def _trace(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placements, args, weak=None) -> _Traced:
+def _trace(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placements, args, weak=None, name: str = ""
+           ) -> _Traced:
     """Trace ``fn`` (called with the unflattened leaves) at global shapes and walk it; ``weak`` marks Python
     scalars, which JAX types weakly (``x * 2.0`` keeps ``x``'s dtype)."""
     weak = weak or [False] * len(specs)
     avals = [jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=w) for s, w in zip(specs, weak)]
-    closed = jax.make_jaxpr(lambda *leaves: fn(*jax.tree.unflatten(treedef, leaves)), return_shape=True)
-    closed, out_shape = closed(*avals)
+
+    def traced(*leaves):
+        out = fn(*jax.tree.unflatten(treedef, leaves))
+        bad = [(jax.tree_util.keystr(p), v) for p, v in jax.tree_util.tree_flatten_with_path(out)[0]
+               if not isinstance(v, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))]
+        if bad:
+            raise TypeError(f"jshard.jit: {name or 'the function'} returned a {type(bad[0][1]).__name__} "
+                            f"({bad[0][1]!r:.40}) at output{bad[0][0] or ''}; a jshard.jit function returns arrays "
+                            "(or pytrees of arrays)")
+        return out
+
+    closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(*avals)
     out_tree = jax.tree.structure(out_shape)
     prog = _program(closed, specs, mesh)
     pins = [None if pin is None else prog.out_specs[i].with_placements(pin, where=f"out_placements (output {i})")
@@ -672,9 +864,11 @@ def _trace(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placements,
 _CPU_IN_FLIGHT = 4  # collective programs queued at once on XLA:CPU (see _compile)
 
 
-def _compile(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placements, args, donated=(), weak=None
-             ) -> Callable:
-    t = _trace(fn, treedef, specs, mesh, out_placements, args, weak)
+def _compile(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placements, args, donated=(), weak=None, *,
+             name: str = "", where: Callable[[int], str] = str) -> Callable:
+    """The compiled program of ``fn`` for these specs; ``name`` and ``where(leaf)`` (the user's name for an input
+    leaf) make the errors of a call name the function and the argument."""
+    t = _trace(fn, treedef, specs, mesh, out_placements, args, weak, name)
     out_specs, out_tree = t.out_specs, t.out_tree
     run = _local(t.program, t.pins)
     k = mesh.devices.ndim
@@ -695,7 +889,26 @@ def _compile(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placement
     in_flight: collections.deque = collections.deque()
     single = out_tree == jax.tree.structure(0)  # one array out: no tree to rebuild
 
+    donated_set = frozenset(donated)
+
+    slot = donation_slot(lambda i: where(i) + " (jshard.jit donate_argnums)") if donated else None
+
     def run_blocks(blocks: list) -> Any:
+        # XLA kills the process on a deleted or twice-donated buffer: check first (microseconds per call)
+        try:
+            deleted = any([b.is_deleted() for b in blocks])
+        except (AttributeError, jax.errors.ConcretizationTypeError):  # a DArray unflattened inside jax.jit, ...
+            raise TypeError(_TRACED.format(what=f"{name} got DArrays whose blocks are JAX tracers")) from None
+        if deleted:
+            i = next(i for i, b in enumerate(blocks) if b.is_deleted())
+            went = donation_of(blocks[i])
+            raise DeletedArrayError(f"jshard.jit: {where(i)} ({specs[i]}) has been deleted"
+                                    + (f": it was donated to {went}" if went else "")
+                                    + "; its storage belongs to that call's outputs: pass them instead")
+        if donated:
+            if len({id(b) for b in blocks}) < len(blocks):
+                _refuse_shared_donation(blocks, donated, donated_set, where)
+            slot.blocks = blocks
         blocks = program(*blocks)
         if bounded:
             in_flight.append(blocks.pop())
@@ -710,6 +923,18 @@ def _compile(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, out_placement
 
     call.jitted, call.run_blocks = program, run_blocks
     return call
+
+
+def _refuse_shared_donation(blocks: list, donated: tuple, donated_set: frozenset, where) -> None:
+    """Raise where one array is donated and also passed again (donated twice, or donated and kept)."""
+    first: dict = {}
+    for i, b in enumerate(blocks):
+        j = first.setdefault(id(b), i)
+        if j != i and (i in donated_set or j in donated_set):
+            raise ValueError(f"jshard.jit: {where(j)} and {where(i)} are the same array, and "
+                             f"{'both are' if i in donated_set and j in donated_set else 'one is'} donated: donated "
+                             "storage is handed to the outputs, so it cannot also be read; pass a copy "
+                             "(x.redistribute(x.placements) after jshard.jit, or jnp.copy) or donate neither")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -782,7 +1007,9 @@ def _scan(eqn, specs, mesh):
         return list(k1) + list(y)
 
     ins = consts + carry + xs
-    return Choice(tuple(ins), tuple(carry + ys), cost + _move_cost(specs, ins), None), kernel, (("body", prog, pins),)
+    # _settle_carry's cost already holds the initial carry's move; the xs' move to whole leading dims is extra
+    return (Choice(tuple(ins), tuple(carry + ys), cost + _move_cost(specs[nc + nk:], xs), None), kernel,
+            (("body", prog, pins),))
 
 
 def _while(eqn, specs, mesh):
@@ -804,7 +1031,7 @@ def _while(eqn, specs, mesh):
         return list(jax.lax.while_loop(lambda k: cond_fn(*cc, *k)[0], lambda k: body_fn(*bc, *k), list(k0)))
 
     ins = cconsts + bconsts + carry
-    cost += _WHILE_TRIPS * (cond.cost + _move_cost(cond.out_specs, replicated)) + _move_cost(specs, ins)
+    cost += _WHILE_TRIPS * (cond.cost + _move_cost(cond.out_specs, replicated))  # the carry's move: in cost
     return (Choice(tuple(ins), tuple(carry), cost, None), kernel,
             (("cond", cond, replicated), ("body", body, carry)))
 

@@ -18,7 +18,8 @@ DArray(f32[10,2] (S(0), R) on mesh(dp=2, tp=4))
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import collections
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,10 +29,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from .cost import CostModel
 from .lowering import compile_plan
 from .placements import Placement, Replicate
-from .planner import plan_redistribute
-from .spec import Spec, block_sharding, format_mesh
+from .planner import check_cost_model, plan_redistribute
+from .spec import Spec, block_sharding, check_dtype, check_mesh, format_mesh
 
-__all__ = ["DArray", "distribute", "from_local", "from_jax"]
+__all__ = ["DArray", "DeletedArrayError", "distribute", "from_local", "from_jax"]
 
 
 @jax.tree_util.register_pytree_node_class
@@ -81,6 +82,18 @@ class DArray:
     def __repr__(self) -> str:
         return f"DArray({self.spec})"
 
+    def _check_live(self, where: str) -> None:
+        """Raise ``DeletedArrayError`` if the block's storage is gone (donated or deleted): XLA can kill the
+        process when a compiled program is handed a deleted buffer, so every reader checks first."""
+        if isinstance(self.block, jax.core.Tracer) or not self.block.is_deleted():  # traced: nothing to read yet
+            return
+        went = donation_of(self.block)
+        if went is None:
+            raise DeletedArrayError(f"{where}: {self!r} has been deleted (its storage was freed or donated); "
+                                    "use the array that replaced it")
+        raise DeletedArrayError(f"{where}: {self!r} was donated to {went}; its storage now belongs to that call's "
+                                "outputs. Use the outputs, or leave it out of donate_argnums")
+
     # -- conversions ------------------------------------------------------------------------------
     # -- eager operators (notebooks): each runs as a cached single-call jshard.jit program ---------------
     def _apply(self, f, *args, **static):
@@ -128,22 +141,33 @@ class DArray:
         >>> x.redistribute([Replicate(), Shard(1)]).placements
         (R, S(1))
         """
+        self._check_live("redistribute")
+        model = check_cost_model(cost_model, "redistribute")
         target = self.spec.with_placements(placements, where=f"redistribute from {self.spec}")
-        plan = plan_redistribute(self.spec, target.placements, cost_model=cost_model)
+        plan = plan_redistribute(self.spec, target.placements, cost_model=model)
         if not plan.steps:
             return DArray(self.block, plan.dst)
         return DArray(compile_plan(plan)(self.block), plan.dst)
 
     def full(self) -> jax.Array:
         """The logical global value, replicated on every device of the mesh."""
+        self._check_live("full")
         plan = plan_redistribute(self.spec, (Replicate(),) * len(self.placements))
         return compile_plan(plan, global_out=True)(self.block)
 
     def __float__(self) -> float:
-        return float(self.full())  # a size-1 value, like float(jax_array)
+        return float(self._scalar("float"))
 
     def __int__(self) -> int:
-        return int(self.full())
+        return int(self._scalar("int"))
+
+    def _scalar(self, where: str) -> jax.Array:
+        """The value of a 0-d DArray, which is all ``float(jax_array)`` takes."""
+        self._check_live(where)
+        if self.ndim:
+            raise TypeError(f"{where}: {self!r} is not a scalar; only a 0-d DArray converts to a Python number "
+                            "(x.full() gives the whole value)")
+        return self.full()
 
     def to_jax(self) -> jax.Array:
         """An ordinary ``jax.Array`` with the equivalent ``NamedSharding``, built without a collective.
@@ -151,7 +175,8 @@ class DArray:
         Raises ``LayoutError`` where JAX has no equivalent (uneven shards, Partial avg/max/min, strided
         layouts that are no shard order); ``full()`` always works.
         """
-        sharding = self.spec.to_named_sharding()
+        self._check_live("to_jax")
+        sharding = self.spec.to_named_sharding(where="to_jax")
         local = self.spec.local_block_shape
         return jax.make_array_from_single_device_arrays(
             self.shape, sharding, [s.data.reshape(local) for s in self.block.addressable_shards]
@@ -160,6 +185,7 @@ class DArray:
     def to_local(self) -> list[jax.Array | None]:
         """Every device's local array with its true (possibly uneven or empty) shape, in mesh device
         order (``mesh.devices.flat``). Devices this process cannot address (multi-host) give None."""
+        self._check_live("to_local")
         k = len(self.mesh.axis_names)
         blocks = {}
         for shard in self.block.addressable_shards:
@@ -191,8 +217,16 @@ def distribute(x, mesh: Mesh, placements: Sequence[Placement]) -> DArray:
     >>> [a.tolist() for a in x.to_local()][:5]
     [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [], [0.0, 0.0]]
     """
+    check_mesh(mesh, "distribute")
+    if isinstance(x, DArray):
+        raise TypeError(f"distribute: x is already a DArray ({x!r}); use x.redistribute(placements)")
+    _check_array_live(x, "distribute: x")
     if not isinstance(x, (jax.Array, np.ndarray)):
-        x = jnp.asarray(x)  # scalars and lists: the dtype JAX gives them
+        try:
+            x = jnp.asarray(x)  # scalars and lists: the dtype JAX gives them
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"distribute: x must be an array (numpy, jax, or a nested list of numbers), got "
+                            f"{type(x).__name__} {x!r:.60}: {e}") from None
     spec = Spec.create(mesh, placements, x.shape, x.dtype, where="distribute")
     replicated = spec.with_placements((Replicate(),) * len(spec.placements))
     plan = plan_redistribute(replicated, spec.placements)
@@ -213,23 +247,31 @@ def from_local(locals: Sequence, mesh: Mesh, placements: Sequence[Placement], sh
     >>> from_local([np.full(3, float(i)) for i in range(8)], mesh, [Partial("max")]).full().tolist()
     [7.0, 7.0, 7.0]
     """
-    devices = list(mesh.devices.flat)
+    devices = list(check_mesh(mesh, "from_local").devices.flat)
+    if isinstance(locals, (str, bytes)) or not isinstance(locals, (Sequence, np.ndarray, jax.Array)):
+        raise TypeError(
+            f"from_local: locals must be a list of local arrays, one per device in mesh.devices.flat order, got "
+            f"{type(locals).__name__}" + ("; pass list(...) of it" if hasattr(locals, "__iter__") else "")
+        )
     if len(locals) != len(devices):
         raise ValueError(
             f"from_local: got {len(locals)} local arrays for {format_mesh(mesh)} with {len(devices)} devices; "
             "pass one per device, in mesh.devices.flat order"
         )
-    addressable = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
-    arrays = {i: locals[i] if isinstance(locals[i], jax.Array) else np.asarray(locals[i]) for i in addressable}
-    ranks = {a.ndim for a in arrays.values()}
-    dtypes = {np.dtype(a.dtype) for a in arrays.values()}
-    if len(ranks) != 1 or len(dtypes) != 1:
-        raise ValueError(
-            f"from_local: the local arrays must share rank and dtype; got ranks {sorted(ranks)} and dtypes "
-            f"{sorted(map(str, dtypes))}"
-        )
-    rank, dtype = ranks.pop(), dtypes.pop()
     mesh_shape = tuple(mesh.devices.shape)
+    addressable = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
+    arrays = {i: _local_array(locals[i], i, mesh) for i in addressable}
+    if not arrays:
+        raise ValueError(f"from_local: this process (index {jax.process_index()}) holds no device of "
+                         f"{format_mesh(mesh)}; call it on the processes that do")
+    first = next(iter(arrays))
+    for i, a in arrays.items():
+        if a.ndim != arrays[first].ndim or a.dtype != arrays[first].dtype:
+            raise ValueError(
+                f"from_local: local array {i} is {a.dtype}{list(a.shape)} but local array {first} is "
+                f"{arrays[first].dtype}{list(arrays[first].shape)}; the local arrays must share rank and dtype"
+            )
+    rank, dtype = arrays[first].ndim, arrays[first].dtype
     local_shapes = {tuple(int(c) for c in np.unravel_index(i, mesh_shape)): tuple(a.shape) for i, a in arrays.items()}
     if shape is None:
         shape = _infer_shape(local_shapes, mesh, placements, rank)
@@ -260,12 +302,42 @@ def from_jax(x: jax.Array) -> DArray:
     """
     if not isinstance(x, jax.Array):
         raise TypeError(f"from_jax: expected a jax.Array with a NamedSharding, got {type(x).__name__}")
-    spec = Spec.from_named_sharding(x.sharding, x.shape, x.dtype)
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError(f"from_jax: got a traced array ({x.aval}); call from_jax outside jax.jit (inside a traced "
+                        "function, use jshard.jit on DArrays instead)")
+    _check_array_live(x, "from_jax: x")
+    spec = Spec.from_named_sharding(x.sharding, x.shape, x.dtype, where="from_jax")
     k = len(spec.mesh_shape)
     block_shape = (1,) * k + spec.local_block_shape
     shards = [s.data.reshape(block_shape) for s in x.addressable_shards]
     block = jax.make_array_from_single_device_arrays(spec.block_shape, block_sharding(spec.mesh), shards)
     return DArray(block, spec)
+
+
+def _check_array_live(a, where: str) -> None:
+    """A deleted ``jax.Array`` (freed or donated) as a DeletedArrayError, before JAX fails (or XLA crashes)
+    on it."""
+    if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and a.is_deleted():
+        raise DeletedArrayError(f"{where} ({a.dtype}{list(a.shape)}) has been deleted (freed or donated)")
+
+
+def _local_array(a, i: int, mesh: Mesh) -> jax.Array | np.ndarray:
+    """Entry ``i`` of ``from_local``'s locals as an array of a DArray dtype, or a clear error."""
+    coords = tuple(int(c) for c in np.unravel_index(i, mesh.devices.shape))
+    where = f"from_local: local array {i} (device {coords} of {format_mesh(mesh)})"
+    if a is None:
+        raise ValueError(f"{where} is None, but this process holds that device: pass its local array (None stands "
+                         "only for other processes' devices, and then shape= must give the global shape)")
+    if isinstance(a, DArray):
+        raise TypeError(f"{where} is a DArray ({a!r}); pass plain local arrays (x.to_local() gives a DArray's)")
+    _check_array_live(a, where)
+    if not isinstance(a, jax.Array):
+        try:
+            a = np.asarray(a)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{where} is not an array ({type(a).__name__} {a!r:.40}): {e}") from None
+    check_dtype(a.dtype, where)
+    return a
 
 
 def _infer_shape(local_shapes: dict, mesh: Mesh, placements, rank: int) -> tuple[int, ...]:
@@ -292,3 +364,41 @@ def _astype(x, *, dtype):
 
 def _shape(shape) -> tuple:
     return tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
+
+
+# ---------------------------------------------------------------------------------------------------
+# donations: where a deleted block went (the error that names it runs only when a deleted block shows up)
+
+class DeletedArrayError(ValueError):
+    """A DArray whose storage is gone: donated to a ``jshard.jit`` call (``donate_argnums``) or deleted."""
+
+
+class DonationSlot:
+    """A donating program's record of its latest call: ``blocks`` (set on every call, one attribute write; only
+    one call's worth is kept alive) and ``describe(i)``, where block ``i`` went. The common mistake, passing the
+    previous step's parameters again, is named exactly; an older reference gets the generic message."""
+
+    __slots__ = ("blocks", "describe")
+
+    def __init__(self, describe: Callable[[int], str]):
+        self.blocks: Sequence[jax.Array] = ()
+        self.describe = describe
+
+
+_DONORS: collections.deque = collections.deque(maxlen=64)  # the slots of the latest donating programs
+
+
+def donation_slot(describe: Callable[[int], str]) -> DonationSlot:
+    """A new donating program's slot, searched by ``donation_of``."""
+    slot = DonationSlot(describe)
+    _DONORS.append(slot)
+    return slot
+
+
+def donation_of(block: jax.Array) -> str | None:
+    """Where ``block`` was donated, if a donating program's latest call took it."""
+    for slot in reversed(_DONORS):
+        for i, b in enumerate(slot.blocks):
+            if b is block:
+                return slot.describe(i)
+    return None

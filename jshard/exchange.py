@@ -17,10 +17,10 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
+from .caches import memo
 from .spec import Spec
 
 __all__ = ["Transfer", "Schedule", "exchange_schedule"]
@@ -97,7 +97,7 @@ class _Dim:
         return got
 
 
-@lru_cache(maxsize=4096)
+@memo(4096)
 def exchange_schedule(src: Spec, dst: Spec) -> Schedule:
     """The rounds in which every device of ``dst`` receives the sub-blocks of ``src`` it lacks."""
     coords = list(np.ndindex(*src.mesh_shape))

@@ -11,12 +11,14 @@ no-op or a slice.
 
 Between steps a device always holds the canonical padded block of the current placements, so a program
 can stop or start at any step.
+
+Reductions follow single-device semantics: a NaN in any part of a ``Partial(max|min)`` makes the result NaN
+(``ordered_reduce``: one collective on order-preserving integer keys), and replicas are bitwise equal.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import lru_cache
 
 import jax
 import jax.numpy as jnp
@@ -24,16 +26,17 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from .caches import memo
 from .exchange import exchange_schedule
 from .local import PerDevice, reduce_identity
 from .planner import Plan, Step
 from .rules.registry import rule_for
 from .spec import Spec
 
-__all__ = ["compile_plan", "local_program", "local_equation", "reduce_identity"]
+__all__ = ["compile_plan", "local_program", "local_equation", "ordered_reduce", "reduce_identity"]
 
 
-@lru_cache(maxsize=4096)
+@memo(4096)
 def compile_plan(plan: Plan, *, global_in: bool = False, global_out: bool = False) -> Callable:
     """A jitted function running ``plan`` on block storage.
 
@@ -144,6 +147,35 @@ def _find(buffer: np.ndarray, target: np.ndarray, *, fill: int | None, what: str
 # emitting JAX
 
 
+def _sortable_int(dtype) -> np.dtype | None:
+    """The signed int type of a float's width when the float is sign-magnitude with NaN at the all-ones
+    magnitude (IEEE formats: f16, bf16, f32, f64, f8 e4m3fn/e5m2), else None (no NaN-ordered key)."""
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return None
+    ints = np.dtype(f"int{np.dtype(dtype).itemsize * 8}")
+    top = np.array([np.iinfo(ints).max, -1], ints).view(dtype)  # +/- all-ones magnitude
+    return ints if np.isnan(top.astype(np.float32)).all() else None
+
+
+def ordered_reduce(op: str, x, axes):
+    """``pmax`` / ``pmin`` over ``axes`` where a NaN in any part gives NaN, as ``jnp.maximum`` does on one
+    device (XLA's cross-device max/min may skip NaN).
+
+    Floats are reduced as integer keys in one collective: flipping the magnitude bits of negative floats
+    makes signed-int order equal float order (-0.0 sorts just below +0.0), and a NaN becomes the largest key
+    for max, the smallest for min, so it wins. The map is its own inverse; the winning key's float is the
+    result, identical on every device.
+    """
+    reduce = lax.pmax if op == "max" else lax.pmin
+    ints = _sortable_int(x.dtype)
+    if ints is None:
+        return reduce(x, axes)
+    info = np.iinfo(ints)
+    flip = lambda i: i ^ ((i >> (info.bits - 1)) & info.max)  # arithmetic shift: all ones on negatives
+    key = jnp.where(jnp.isnan(x), info.max if op == "max" else info.min, flip(lax.bitcast_convert_type(x, ints)))
+    return lax.bitcast_convert_type(flip(reduce(key, axes)), x.dtype)
+
+
 class _Select:
     """Re-index one tensor dim with a per-device table, as cheaply as its shape allows."""
 
@@ -246,8 +278,9 @@ def _lower_step(mesh, step: Step, spec: Spec) -> Callable:
         return lambda x: select(lax.all_gather(x, step.axes, axis=d, tiled=True))
 
     if step.kind == "all_reduce":
-        reduce = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}[step.op]
-        return lambda x: scale(reduce(x, step.axes))
+        if step.op == "sum":
+            return lambda x: scale(lax.psum(x, step.axes))
+        return lambda x: ordered_reduce(step.op, x, step.axes)
 
     if step.kind == "reduce_scatter":
         d = step.dim
@@ -259,6 +292,10 @@ def _lower_step(mesh, step: Step, spec: Spec) -> Callable:
 
     if step.kind == "exchange":
         return _exchange(mesh, step, spec)
+
+    if step.kind == "empty":
+        block = spec.with_placements(step.dst).local_block_shape
+        return lambda x: jnp.zeros(block, x.dtype)
 
     if step.kind == "all_to_all":
         d, e = step.dim, step.split_dim

@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -36,6 +37,7 @@ __all__ = [
     "normalize_placements",
     "format_placements",
     "partial_ops_mix",
+    "as_index",
 ]
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -43,6 +45,24 @@ REDUCE_OPS = ("sum", "avg", "max", "min")
 
 class PlacementError(ValueError):
     """A placement, or a tuple of placements, that cannot describe the array it is given for."""
+
+
+def as_index(value) -> int | None:
+    """``value`` as a Python int when it is an integer (Python, numpy or a concrete JAX scalar), else None.
+
+    A bool is no index here (``Shard(True)`` is a typo), nor is a float (``16.7`` rows is a bug upstream,
+    not a size to truncate).
+
+    >>> import numpy as np
+    >>> as_index(np.int64(3)), as_index(True), as_index(2.0)
+    (3, None, None)
+    """
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 class Placement:
@@ -82,8 +102,10 @@ class Shard(Placement):
     is_shard: ClassVar[bool] = True
 
     def __post_init__(self):
-        if not isinstance(self.dim, int) or isinstance(self.dim, bool):
+        dim = as_index(self.dim)
+        if dim is None:
             raise PlacementError(f"Shard(dim={self.dim!r}): dim must be an int (negative counts from the end)")
+        object.__setattr__(self, "dim", dim)  # numpy ints become ints: equal placements print and hash alike
 
     @property
     def split_factor(self) -> int:
@@ -109,13 +131,16 @@ class StridedShard(Placement):
     is_shard: ClassVar[bool] = True
 
     def __post_init__(self):
-        if not isinstance(self.dim, int) or isinstance(self.dim, bool):
+        dim, split_factor = as_index(self.dim), as_index(self.split_factor)
+        if dim is None:
             raise PlacementError(f"StridedShard(dim={self.dim!r}): dim must be an int")
-        if not isinstance(self.split_factor, int) or isinstance(self.split_factor, bool) or self.split_factor < 1:
+        if split_factor is None or split_factor < 1:
             raise PlacementError(
                 f"StridedShard({self.dim}, split_factor={self.split_factor!r}): split_factor must be an int >= 1 "
                 "(1 is the same layout as Shard)"
             )
+        object.__setattr__(self, "dim", dim)
+        object.__setattr__(self, "split_factor", split_factor)
 
     def __repr__(self) -> str:
         return f"SS({self.dim},{self.split_factor})"
@@ -133,7 +158,7 @@ class Partial(Placement):
     is_partial: ClassVar[bool] = True
 
     def __post_init__(self):
-        if self.op not in REDUCE_OPS:
+        if not isinstance(self.op, str) or self.op not in REDUCE_OPS:
             raise PlacementError(f"Partial({self.op!r}): unknown reduce op; allowed: {', '.join(REDUCE_OPS)}")
 
     def __repr__(self) -> str:

@@ -18,12 +18,18 @@ S(d) -> P(sum|max|min)        fill (local)         the axis is the last on d; th
 the target, relabelled        permute              the placements are the target's on equal-size
                                                    axes in another order: one ppermute moves
                                                    every block to its new owner
+anything -> anything          empty (local)        the array has a 0-size dim: every block is empty,
+                                                   so every layout holds the same (no) values
 ============================  ==================  ===============================================
 
 Besides the search, where the Partial axes stay as they are, an ``exchange`` (``jshard.exchange``)
 sends every device exactly the sub-blocks it lacks in rounds of ppermute, either straight to the target
 or to the target with the source's shards kept where the target replicates (then gathered); it is taken
 when it is cheaper than the best path of collectives.
+
+With an integer dtype an average divides last: ``floor(a / n) + floor(b / n)`` is not ``floor((a + b) / n)``,
+so the collective that reduces a ``Partial(avg)`` axis also reduces (or follows) every other pending sum
+or avg axis, and a Partial target is partitioned again afterwards.
 
 "Last" is in mesh order, the order in which placements apply: only the innermost cut of a dim can be
 gathered, scattered or sliced without disturbing the others. Costs come from the alpha-beta
@@ -45,18 +51,20 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+
+import jax.numpy as jnp
 
 from . import exchange
+from .caches import memo
 from .cost import CostModel
 from .placements import Placement, Replicate, StridedShard, format_placements, partial_ops_mix
 from .spec import Spec, cut_order, dim_layout
 
-__all__ = ["Step", "Plan", "plan_redistribute", "DEFAULT_COST_MODEL"]
+__all__ = ["Step", "Plan", "plan_redistribute", "check_cost_model", "DEFAULT_COST_MODEL"]
 
 DEFAULT_COST_MODEL = CostModel()
 COLLECTIVE_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "permute", "exchange")
-LOCAL_KINDS = ("slice", "partition", "fill")
+LOCAL_KINDS = ("slice", "partition", "fill", "empty")
 _AXIS_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")  # the search's per-axis edges
 _R = Replicate()
 
@@ -147,15 +155,26 @@ def plan_redistribute(src, placements, *, cost_model: CostModel | None = None) -
     spec = getattr(src, "spec", src)
     if not isinstance(spec, Spec):
         raise TypeError(f"plan_redistribute: src must be a DArray or a Spec, got {type(src).__name__}")
+    model = check_cost_model(cost_model, "plan_redistribute")
     dst = spec.with_placements(placements, where=f"plan_redistribute from {spec}")
-    return _plan(spec, dst.placements, cost_model or DEFAULT_COST_MODEL)
+    return _plan(spec, dst.placements, model)
+
+
+def check_cost_model(cost_model, where: str) -> CostModel:
+    """``cost_model``, or the default for None; anything else is a TypeError naming ``where``."""
+    if cost_model is None:
+        return DEFAULT_COST_MODEL
+    if not isinstance(cost_model, CostModel):
+        raise TypeError(f"{where}: cost_model must be a jshard.CostModel or None, got {cost_model!r}; e.g. "
+                        "jshard.CostModel(axes={'dp': jshard.AxisCost(latency_us=10.0, bandwidth_gbps=5.0)})")
+    return cost_model
 
 
 # ---------------------------------------------------------------------------------------------------
 # internals
 
 
-@lru_cache(maxsize=65536)
+@memo(65536)
 def _padded_lengths(shape: tuple[int, ...], mesh_shape: tuple[int, ...], state: tuple[Placement, ...]):
     return tuple(
         dim_layout(n, mesh_shape, tuple((a, p.split_factor) for a, p in enumerate(state) if p.is_shard and p.dim == d)
@@ -164,7 +183,7 @@ def _padded_lengths(shape: tuple[int, ...], mesh_shape: tuple[int, ...], state: 
     )
 
 
-@lru_cache(maxsize=256)
+@memo(256)
 def _axis_prices(model: CostModel, names, sizes):
     """Per kind and axis: a collective costs launch + hop + bytes * per_byte; and each axis's cheapest hop."""
     hop, per_byte = {}, {}
@@ -201,6 +220,7 @@ class _Search:
         self._strided_target = any(self.strided[q] for q in self.dst)
         self._dst_multiset = sorted(zip(self.dst, self.sizes))
         self.hop, self.per_byte, self.min_hop = _axis_prices(model, self.names, self.sizes)
+        self.floor_divides = jnp.issubdtype(spec.dtype, jnp.integer)  # an integer average rounds down
         self._padded: dict = {}
         self._prices: dict = {}
 
@@ -218,6 +238,22 @@ class _Search:
 
     def partials_ok(self, state) -> bool:
         return partial_ops_mix({self.op[p] for p, n in zip(state, self.sizes) if self.op[p] and n > 1})
+
+    def divides_early(self, state, run) -> bool:
+        """Whether closing ``run`` in ``state`` leaves integer parts of a floor-divided average to be summed.
+
+        ``floor(a / n) + floor(b / n)`` is not ``floor((a + b) / n)``: with an integer dtype, the run that
+        divides (reduces a Partial(avg) axis) must leave no Partial sum or avg pending, so it either follows
+        the other sums or is merged with them into one collective. Floats divide anywhere.
+        """
+        return (self.floor_divides and run is not None and run[3]
+                and any(self.op[p] in ("sum", "avg") and n > 1 for p, n in zip(state, self.sizes)))
+
+    def avg_to_floor(self, state) -> bool:
+        """Whether an integer Partial(avg) axis still has to be reduced: then sum and avg axes already in place
+        may be reduced with it (and partitioned again), so that the division comes last."""
+        return self.floor_divides and any(self.op[p] == "avg" and p != q and n > 1
+                                          for p, q, n in zip(state, self.dst, self.sizes))
 
     def heuristic(self, state, open_run) -> float:
         """Admissible: every axis still needing a collective pays its cheapest hops; each dim (or
@@ -260,9 +296,9 @@ class _Search:
                 if self.fillable[q]:
                     yield (i,), state[:i] + (q,) + state[i + 1:], "fill", None, None
             elif p:
-                if p == q:
-                    continue
                 op = self.op[p]
+                if p == q and not (op in ("sum", "avg") and self.avg_to_floor(state)):
+                    continue
                 yield (i,), state[:i] + (0,) + state[i + 1:], "all_reduce", ("all_reduce", "sum" if op == "avg" else op), None
                 if e >= 0 and op in ("sum", "avg") and inner.get(e, -1) < i:
                     yield (i,), state[:i] + (q,) + state[i + 1:], "reduce_scatter", ("reduce_scatter", e), e
@@ -330,8 +366,8 @@ class _Search:
         """The cheapest path as (axes, state before, state after, kind, merge key) edges.
 
         A node is (state, open run): the run of mergeable collectives the last edge belongs to, as
-        (merge key, its axes so far, its input bytes), so that extending it costs exactly what the
-        merged collective costs more.
+        (merge key, its axes so far, its input bytes, whether it divides), so that extending it costs
+        exactly what the merged collective costs more.
         """
         start, dst = self.start, self.dst
         tie = itertools.count()
@@ -341,7 +377,7 @@ class _Search:
         launch = self.model.launch_us
         while heap:
             _, cost, _, state, run = heapq.heappop(heap)
-            if state == dst:
+            if state == dst and not self.divides_early(state, run):
                 path, node = [], (state, run)
                 while node in back:
                     node, edge = back[node]
@@ -351,26 +387,30 @@ class _Search:
                 continue
             for axes, new, kind, key, dim in self.moves(state):
                 new_run = None
+                extends = run is not None and key == run[0]
+                if not extends and self.divides_early(state, run):
+                    continue
+                divides = kind in ("all_reduce", "reduce_scatter") and self.op[state[axes[0]]] == "avg"
                 if kind in LOCAL_KINDS:
                     if not self.partials_ok(new):
                         continue
                     total = cost
-                elif run is not None and key == run[0]:
-                    new_run = (key, run[1] + axes, run[2])
+                elif extends:
+                    new_run = (key, run[1] + axes, run[2], run[3] or divides)
                     total = cost + self.price(kind, new_run[1], run[2]) - self.price(kind, run[1], run[2])
                 else:
                     group = math.prod(self.sizes[a] for a in axes)
                     nbytes = (self.nbytes(state) if kind in ("all_gather", "all_reduce")
                               else self.buffer_bytes(state, new, dim, group))
                     total = cost + launch + self.price(kind, axes, nbytes)
-                    new_run = (key, axes, nbytes) if key is not None else None
+                    new_run = (key, axes, nbytes, divides) if key is not None else None
                 node = (new, new_run)
                 if total < best.get(node, math.inf) - 1e-9:
                     best[node] = total
                     back[node] = ((state, run), (axes, state, new, kind, key))
                     heapq.heappush(heap, (total + self.heuristic(new, new_run), total, next(tie), new, new_run))
             sigma = self.relabelling(state)
-            if sigma is not None:
+            if sigma is not None and not self.divides_early(state, run):
                 moved = tuple(self.names[i] for i in range(len(sigma)) if sigma[i] != i)
                 total = cost + self.model.collective("permute", moved, 2, self.nbytes(state))
                 node = (dst, None)
@@ -381,8 +421,12 @@ class _Search:
         raise AssertionError(f"no redistribution path to {format_placements(self.decode(dst))}")
 
 
-@lru_cache(maxsize=16384)
+@memo(16384)
 def _plan(spec: Spec, dst: tuple[Placement, ...], model: CostModel) -> Plan:
+    if 0 in spec.shape:
+        # no elements: a collective would move nothing (and XLA rejects 0-size collective dims)
+        steps = () if dst == spec.placements else (Step("empty", (), spec.placements, dst),)
+        return Plan(spec, spec.with_placements(dst), steps)
     # a size-1 axis holds the whole value whatever its placement: relabel it for free
     start = tuple(q if n == 1 else p for p, q, n in zip(spec.placements, dst, spec.mesh_shape))
     search = _Search(spec, start, dst, model)

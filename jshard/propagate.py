@@ -30,19 +30,19 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
 from jax.sharding import Mesh
 
+from .caches import Cache, memo
 from .cost import CostModel
 from .placements import Placement, Replicate
 from .planner import DEFAULT_COST_MODEL
 from .rules.registry import Column, Rule, fill, rule_for
 from .spec import Spec, dim_layout
 
-__all__ = ["Aval", "Choice", "select", "offered", "clear_caches"]
+__all__ = ["Aval", "Choice", "select", "offered"]
 
 _R = Replicate()
 
@@ -83,7 +83,8 @@ def select(prim: Any, params: dict, in_specs: Sequence[Spec], out_avals: Sequenc
     if hit is None:
         sel = _Selection(name, params, tuple(in_specs), tuple(out_avals), model, consts, mesh, (frozen, outs_key),
                          want)
-        hit = _SELECTED[key] = sel.run()
+        hit = sel.run()
+        _SELECTED.put(key, hit)
     return hit
 
 
@@ -104,19 +105,11 @@ def offered(prim: Any, params: dict, in_specs: Sequence[Spec], out_avals: Sequen
     return found
 
 
-def clear_caches() -> None:
-    """Forget memoised selections and rule expansions (for benchmarks of the uncached path)."""
-    _SELECTED.clear()
-    _COLUMNS.clear()
-    _even.cache_clear()
-    dim_layout.cache_clear()
-
-
 # ---------------------------------------------------------------------------------------------------
 # internals
 
-_SELECTED: dict = {}
-_COLUMNS: dict = {}
+_SELECTED = Cache(65536)  # (primitive, params, input specs, ...) -> Choice
+_COLUMNS = Cache(16384)  # a rule's strategies expanded for (primitive, params, shapes, shard kinds)
 
 
 def _hashable(v):
@@ -130,11 +123,27 @@ def _hashable(v):
             return params_key(v)
         if isinstance(v, np.ndarray):
             return ("ndarray", v.shape, str(v.dtype), v.tobytes())
-        return ("id", id(v))
+        return _Held(v)
+
+
+class _Held:
+    """A key for a value that has neither a hash nor a content to compare: the object itself, compared by
+    identity. Holding it keeps its id from being recycled while the key is cached."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __hash__(self):
+        return id(self.value)
+
+    def __eq__(self, other):
+        return isinstance(other, _Held) and other.value is self.value
 
 
 def params_key(params: dict) -> tuple:
-    """A hashable key for an equation's params (unhashable values by content or identity)."""
+    """A hashable key for an equation's params (unhashable values by content, else by the object itself)."""
     items = tuple(params.items())  # an equation's params keep their order
     try:
         hash(items)
@@ -186,7 +195,7 @@ def _avals_key(avals) -> tuple:
     return tuple((tuple(a.shape), a.dtype) for a in avals)
 
 
-@lru_cache(maxsize=65536)
+@memo(65536)
 def _even(length: int, mesh_shape: tuple[int, ...], chain: tuple) -> bool:
     return bool((dim_layout(length, mesh_shape, chain) >= 0).all())
 
@@ -235,7 +244,8 @@ class _Selection:
         ckey = (name, frozen, tuple((s.shape, s.dtype) for s in in_specs), outs_key, consts, tuple(kinds))
         cached = _COLUMNS.get(ckey)
         if cached is None:
-            cached = _COLUMNS[ckey] = self._columns(kinds)
+            cached = self._columns(kinds)
+            _COLUMNS.put(ckey, cached)
         self.columns, self.lookup = cached
 
     def _columns(self, kinds):

@@ -24,12 +24,14 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import cached_property
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .caches import memo
 from .placements import (
     Partial,
     Placement,
@@ -37,11 +39,13 @@ from .placements import (
     Replicate,
     Shard,
     StridedShard,
+    as_index,
     format_placements,
     normalize_placements,
 )
 
-__all__ = ["Spec", "LayoutError", "format_mesh", "chunk_sizes", "dim_layout", "cut_order", "block_sharding"]
+__all__ = ["Spec", "LayoutError", "format_mesh", "check_mesh", "check_dtype", "chunk_sizes", "dim_layout", "cut_order",
+           "block_sharding"]
 
 
 class LayoutError(ValueError):
@@ -51,6 +55,50 @@ class LayoutError(ValueError):
 def format_mesh(mesh: Mesh) -> str:
     """``mesh(dp=2, tp=4)``."""
     return "mesh(" + ", ".join(f"{n}={s}" for n, s in zip(mesh.axis_names, mesh.devices.shape)) + ")"
+
+
+def check_mesh(mesh, where: str) -> Mesh:
+    """``mesh`` if it is a concrete ``jax.sharding.Mesh``, else a TypeError naming ``where``."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"{where}: mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh(...)), got {mesh!r}")
+    return mesh
+
+
+def _check_shape(shape, where: str) -> tuple[int, ...]:
+    """``shape`` as a tuple of Python ints: a sequence of non-negative integers (``as_index``)."""
+    dims = None
+    if not isinstance(shape, (str, bytes)):
+        try:
+            dims = tuple(shape)
+        except TypeError:
+            pass
+    if dims is None:
+        hint = f"; for a 1-d array write ({shape},)" if as_index(shape) is not None else ""
+        raise TypeError(f"{where}: shape must be a tuple of ints, got {shape!r}{hint}")
+    out = []
+    for d, n in enumerate(dims):
+        size = as_index(n)
+        if size is None:
+            raise TypeError(f"{where}: shape {shape!r} has {n!r} at dim {d}; every dim must be an int")
+        if size < 0:
+            raise ValueError(f"{where}: shape {shape!r} has {size} at dim {d}; sizes must be >= 0")
+        out.append(size)
+    return tuple(out)
+
+
+def check_dtype(dtype, where: str) -> np.dtype:
+    """The dtype JAX stores for ``dtype`` (f64 -> f32 without x64), which must be numeric, bool or a PRNG key."""
+    try:
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+            return dtype  # typed PRNG keys: JAX's own dtype, never canonicalized
+        stored = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+    except (TypeError, ValueError, SyntaxError):  # numpy parses "a,b" strings as record formats
+        stored = None
+    if stored is None or not (stored == np.bool_ or jnp.issubdtype(stored, jnp.number)):
+        shown = repr(dtype) if stored is None else str(stored)
+        raise TypeError(f"{where}: dtype {shown} is not a numeric or bool dtype, which a DArray needs "
+                        "(float32, bfloat16, int32, bool, ...)")
+    return stored
 
 
 def _dtype_short(dtype: np.dtype) -> str:
@@ -82,7 +130,7 @@ def _strided_chunk(idx: np.ndarray, n: int, c: int, split_factor: int) -> np.nda
     return np.concatenate([_chunk(b, n, c) for b in blocks]) if blocks else idx[:0]
 
 
-@lru_cache(maxsize=4096)
+@memo(4096)
 def dim_layout(length: int, mesh_shape: tuple[int, ...], chain: tuple[tuple[int, int], ...]) -> np.ndarray:
     """Global indices held along one tensor dim, for every device.
 
@@ -140,15 +188,21 @@ class Spec:
         >>> Spec.create(jax.make_mesh((8,), ("x",)), [Partial("max")], (4,), "int32").placements
         (P(max),)
         """
-        if not isinstance(mesh, Mesh):
-            raise TypeError(f"{where}: mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh(...)), got {mesh!r}")
-        shape = tuple(int(s) for s in shape)
-        dtype = np.dtype(jax.dtypes.canonicalize_dtype(dtype))  # what JAX stores: f64 -> f32 without x64
+        mesh = check_mesh(mesh, where)
+        shape = _check_shape(shape, where)
+        dtype = check_dtype(dtype, where)
         placements = normalize_placements(placements, mesh.devices.ndim, len(shape), where=where)
-        if dtype == np.bool_ and any(p.is_partial for p in placements):
+        if not jnp.issubdtype(dtype, jnp.number) and any(p.is_partial for p in placements):  # bool, PRNG keys
             raise PlacementError(
-                f"{where}: {format_placements(placements)} puts a Partial on a bool array of shape {shape}; "
+                f"{where}: {format_placements(placements)} puts a Partial on a {dtype} array of shape {shape}; "
                 "a pending reduction needs a numeric dtype (cast to int32 or float first)"
+            )
+        ordered = any(p.is_partial and p.op in ("max", "min") for p in placements)
+        if ordered and jnp.issubdtype(dtype, jnp.complexfloating):
+            raise PlacementError(
+                f"{where}: {format_placements(placements)} puts a Partial(max|min) on a {dtype} array of shape "
+                f"{shape}; complex numbers have no order (use Partial sum or avg, or reduce real and imaginary "
+                "parts separately)"
             )
         return cls(mesh, placements, shape, dtype)
 
@@ -225,11 +279,11 @@ class Spec:
         return Spec.create(self.mesh, placements, self.shape, self.dtype, where=where)
 
     # -- JAX equivalents --------------------------------------------------------------------------
-    def to_partition_spec(self) -> PartitionSpec:
+    def to_partition_spec(self, *, where: str = "to_partition_spec") -> PartitionSpec:
         """The ``PartitionSpec`` of the same layout; ``Partial(sum)`` becomes ``unreduced``.
 
-        Raises ``LayoutError`` where JAX has no equivalent: uneven shards, Partial avg/max/min, and
-        strided layouts that are not a shard order.
+        Raises ``LayoutError`` (its message starting with ``where``) where JAX has no equivalent: uneven
+        shards, Partial avg/max/min, and strided layouts that are not a shard order.
 
         >>> import jax; from jshard import Shard, StridedShard, Partial
         >>> mesh = jax.make_mesh((2, 4), ("dp", "tp"))
@@ -244,13 +298,13 @@ class Spec:
             chain = self.chain(d)
             if self.shape[d] % math.prod(self.mesh_shape[a] for a, _ in chain):
                 raise LayoutError(
-                    f"{self}: dim {d} of size {self.shape[d]} is split unevenly; JAX shardings need even "
+                    f"{where}: {self}: dim {d} of size {self.shape[d]} is split unevenly; JAX shardings need even "
                     "splits. Keep it as a DArray, or pad the dim to a multiple of the shard count"
                 )
             order = cut_order(chain, self.mesh_shape)
             if order is None:
                 raise LayoutError(
-                    f"{self}: the StridedShard layout of dim {d} is not a shard order, so no PartitionSpec "
+                    f"{where}: {self}: the StridedShard layout of dim {d} is not a shard order, so no PartitionSpec "
                     "describes it; redistribute to Shard/Replicate placements first"
                 )
             axes = tuple(names[a] for a in order)
@@ -258,35 +312,35 @@ class Spec:
         others = {p.op for p in self.placements if p.is_partial and p.op != "sum"}
         if others:
             raise LayoutError(
-                f"{self}: Partial({', '.join(sorted(others))}) has no JAX sharding equivalent (JAX only has "
+                f"{where}: {self}: Partial({', '.join(sorted(others))}) has no JAX sharding equivalent (JAX only has "
                 "`unreduced`, a pending sum); redistribute those axes to Replicate() or Shard first"
             )
         unreduced = {names[a] for a, p in enumerate(self.placements) if p.is_partial}
         return PartitionSpec(*entries, unreduced=unreduced) if unreduced else PartitionSpec(*entries)
 
-    def to_named_sharding(self) -> NamedSharding:
+    def to_named_sharding(self, *, where: str = "to_named_sharding") -> NamedSharding:
         """``NamedSharding(mesh, self.to_partition_spec())``."""
-        return NamedSharding(self.mesh, self.to_partition_spec())
+        return NamedSharding(self.mesh, self.to_partition_spec(where=where))
 
     @classmethod
-    def from_named_sharding(cls, sharding: NamedSharding, shape, dtype) -> Spec:
+    def from_named_sharding(cls, sharding: NamedSharding, shape, dtype, *, where: str = "from_named_sharding") -> Spec:
         """The spec of an array laid out by ``sharding``: the inverse of ``to_named_sharding``.
 
         An axis tuple in a non-mesh order, such as ``P(('tp', 'dp'))``, becomes StridedShard.
         """
         if not isinstance(sharding, NamedSharding):
             raise LayoutError(
-                f"from_named_sharding: expected a NamedSharding, got {type(sharding).__name__}; put the array "
+                f"{where}: expected a NamedSharding, got {type(sharding).__name__}; put the array "
                 "on a mesh first (jax.device_put(x, NamedSharding(mesh, spec)))"
             )
         mesh, spec = sharding.mesh, sharding.spec
         if not isinstance(mesh, Mesh):
-            raise LayoutError(f"from_named_sharding: {sharding} has an abstract mesh; use a concrete jax Mesh")
+            raise LayoutError(f"{where}: {sharding} has an abstract mesh; use a concrete jax Mesh")
         index = {n: i for i, n in enumerate(mesh.axis_names)}
         sizes = tuple(mesh.devices.shape)
         placements: list[Placement] = [Replicate()] * len(sizes)
         if getattr(spec, "reduced", None):
-            raise LayoutError(f"from_named_sharding: {spec} has `reduced` axes, which have no placement")
+            raise LayoutError(f"{where}: {spec} has `reduced` axes, which have no placement")
         for d, entry in enumerate(spec.partitions):
             axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
             for pos, name in enumerate(axes):
@@ -295,7 +349,7 @@ class Spec:
                 placements[a] = Shard(d) if sf == 1 else StridedShard(d, sf)
         for name in getattr(spec, "unreduced", ()) or ():
             placements[index[name]] = Partial("sum")
-        return cls.create(mesh, placements, shape, dtype, where="from_named_sharding")
+        return cls.create(mesh, placements, shape, dtype, where=where)
 
 
 def block_sharding(mesh: Mesh) -> NamedSharding:

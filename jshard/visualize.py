@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .darray import DArray
 from .spec import Spec
 
 __all__ = ["visualize"]
@@ -39,7 +40,14 @@ def visualize(x) -> str:
     >>> print(visualize(x).splitlines()[0])
     f32[10,4] (S(0), P(sum)) on mesh(dp=2, tp=4)
     """
-    spec: Spec = getattr(x, "spec", x)
+    if isinstance(x, DArray):
+        x._check_live("visualize")
+        spec = x.spec
+    elif isinstance(x, Spec):
+        spec = x
+    else:
+        raise TypeError(f"visualize: takes a DArray (or a Spec), got {type(x).__name__}; build a DArray with "
+                        "jshard.distribute(value, mesh, placements)")
     names = spec.mesh.axis_names
     partial = ", ".join(f"{p.op} over {n}" for n, p in zip(names, spec.placements) if p.is_partial)
     header = ["device", *names, "local shape", *(f"dim {d}" for d in range(spec.rank))]

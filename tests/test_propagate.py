@@ -15,10 +15,11 @@ from jax.interpreters import mlir
 import jshard
 from conftest import make_mesh
 from jshard import Partial, Replicate, Shard, Spec
-from jshard.propagate import _Selection, _product, clear_caches, select
+from jshard import clear_caches
+from jshard.propagate import _Selection, _product, select
 from jshard.planner import DEFAULT_COST_MODEL
 from jshard.validate.core import run_equation
-from oracle import check_darray, local_blocks, placement_st, valid
+from oracle import assert_close, check_darray, local_blocks, placement_st, valid
 
 R = Replicate()
 
@@ -88,7 +89,7 @@ def test_monotone_maps_keep_max(prim, want):
     (out,), choice = run_equation(prim, {"accuracy": None} if prim is not lax.neg_p else {}, [parts(a, mesh, (Partial("max"),), rng)])
     assert (out.placements[0] == Partial(want)) if want else not out.placements[0].is_partial
     truth = np.asarray(prim.bind(jnp.asarray(a), **({"accuracy": None} if prim is not lax.neg_p else {})))
-    np.testing.assert_allclose(np.asarray(out.full()), truth, rtol=1e-6)  # transcendental ulps differ by program
+    assert_close(out.full(), truth, terms=np.abs(truth))  # transcendental ulps differ by program
 
 
 def test_positive_constant_keeps_max_negative_swaps():
@@ -115,7 +116,7 @@ def brute_force(prim, in_specs, out_avals):
     return best
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from([(2, 4), (2, 2, 2)]), st.sampled_from([lax.add_p, lax.mul_p, lax.max_p, lax.sub_p]),
        st.lists(st.integers(1, 9), min_size=1, max_size=2), st.data())
 def test_search_is_optimal_and_correct(mesh_shape, prim, shape, data):

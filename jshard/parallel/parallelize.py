@@ -4,7 +4,11 @@ The plan maps module paths (``"blocks/*/mlp/fc1"``, glob patterns over the path 
 indices joined by ``/``) to styles; each parameter takes, per mesh axis, the placement its module's styles
 give there, else its Flax sharding annotation (``nnx.with_partitioning`` names, resolved through ``rules``),
 else Replicate. Matched modules with an input or output constraint are given a ``__call__`` that applies it
-through ``jshard.constrain`` — the identity outside ``jshard.jit``.
+through ``jshard.constrain``. A parallelized module called eagerly (outside ``jshard.jit``, on DArray
+parameters) runs as one cached ``jshard.jit`` program and returns DArrays, so ``model(x)`` works as before.
+
+It is all or nothing: arguments, plan and styles are checked and every parameter's DArray is built before the
+model changes, so a mistake raises with the model untouched.
 
 >>> import jax, jshard
 >>> from flax import nnx
@@ -18,21 +22,24 @@ through ``jshard.constrain`` — the identity outside ``jshard.jit``.
 >>> mlp = parallelize(MLP(nnx.Rngs(0)), mesh, {"up": ColwiseParallel("tp"), "down": RowwiseParallel("tp")})
 >>> mlp.up.kernel.get_value().placements, mlp.down.kernel.get_value().placements
 ((R, S(1)), (R, S(0)))
+>>> mlp(jax.numpy.ones((4, 8))).shape
+(4, 8)
 """
 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping, Sequence
-from functools import lru_cache
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ..api import constrain
+from ..api import constrain, jit
+from ..caches import memo
 from ..darray import DArray, distribute
 from ..placements import Placement, Replicate
 from ..spec import Spec, format_mesh
@@ -41,32 +48,50 @@ from .styles import ParallelStyle
 __all__ = ["parallelize", "placements_of"]
 
 
-def parallelize(model: Any, mesh: Mesh, plan: Mapping[str, ParallelStyle | Sequence[ParallelStyle]] | None = None,
-                *, default: ParallelStyle | Sequence[ParallelStyle] = (), rules: Sequence[tuple] = ()) -> Any:
+def parallelize(model: nnx.Module, mesh: Mesh,
+                plan: Mapping[str, ParallelStyle | Sequence[ParallelStyle]] | None = None, *,
+                default: ParallelStyle | Sequence[ParallelStyle] = (),
+                rules: Mapping[str, Any] | Sequence[tuple[str, Any]] = ()) -> nnx.Module:
     """Distribute the parameters of ``model`` (an NNX module, changed in place and returned) over ``mesh``.
 
-    ``plan``: ``{module path pattern: style or [styles]}`` (first matching pattern wins); ``default``: styles
-    applied to every parameter first (say ``FullyShard("dp")``); ``rules``: ``(logical name, mesh axis)``
-    pairs resolving ``nnx.with_partitioning`` names. The parameters stay DArrays through ``nnx.split`` /
-    ``nnx.merge`` / ``nnx.state`` and ``jshard.jit``.
+    ``plan``: ``{module path pattern: style or [styles]}`` (first matching pattern wins; ``""`` is the model
+    itself); ``default``: styles applied to every parameter first (say ``FullyShard("dp")``); ``rules``:
+    ``(logical name, mesh axis)`` pairs resolving ``nnx.with_partitioning`` names. The parameters stay DArrays
+    through ``nnx.split`` / ``nnx.merge`` / ``nnx.state`` and ``jshard.jit``.
+
+    All or nothing: the plan is checked and every parameter's placements are found and its DArray built before
+    the model changes, so a call that raises leaves the model as it was.
     """
-    plan = dict(plan or {})
-    default = _styles(default)
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"parallelize: model must be a Flax nnx.Module, got {_kind(model)}; a pytree of arrays is "
+                        "placed with jshard.distribute(x, mesh, placements) instead")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"parallelize: mesh must be a jax.sharding.Mesh (say jax.make_mesh((2, 4), ('dp', 'tp'))), "
+                        f"got {_kind(mesh)}")
+    plan = _plan(plan)
+    default = _styles(default, "default=")
+    rules = _rules(rules, mesh)
     names = list(mesh.axis_names)
     modules = {path: node for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)}
     matched, used = {}, set()
-    for path in modules:  # every module gets an entry: default styles may gather its params
+    for path, module in modules.items():  # every module gets an entry: default styles may gather its params
         key = "/".join(map(str, path))
         pattern = next((p for p in plan if fnmatch.fnmatchcase(key, p)), None)
         used.add(pattern)
-        matched[path] = _styles(plan[pattern]) if pattern is not None else ()
+        matched[path] = plan[pattern] if pattern is not None else ()
         _check_axes(default + matched[path], names, mesh, key)
+        constrains = [s for s in matched[path] if s.input is not None or s.output is not None]
+        if constrains and not callable(module):
+            raise ValueError(f"parallelize: {constrains[0]} at {key or 'the root module'} constrains the input and "
+                             f"output of {type(module).__name__}, which is never called (it has no __call__); match "
+                             "the modules inside it instead (say 'blocks/*')")
     unused = [p for p in plan if p not in used]
     if unused:
         raise ValueError(f"parallelize: plan pattern(s) {unused} match no module; module paths are "
                          f"{sorted('/'.join(map(str, p)) for p in modules if p)[:12]}")
-    owners = set()
-    for path, var in list(nnx.iter_graph(model)):
+
+    params, owners = [], set()
+    for path, var in nnx.iter_graph(model):
         if not isinstance(var, nnx.Param):
             continue
         owner_path = next(path[:i] for i in range(len(path) - 1, -1, -1) if path[:i] in modules)
@@ -77,28 +102,105 @@ def parallelize(model: Any, mesh: Mesh, plan: Mapping[str, ParallelStyle | Seque
         placements = list(_annotated(var, mesh, shape, full.dtype, rules))
         for style in default + matched[owner_path]:
             placements[names.index(style.axis)] = style.param(modules[owner_path], str(path[-1]), shape)
-        var.set_value(distribute(full, mesh, placements))
+        params.append((var, full, placements))
+    values = [distribute(full, mesh, placements) for _, full, placements in params]
+    # every callable module holding parameters (the model itself among them) learns to run eagerly on DArrays
+    holders = {owner[:i] for owner in owners for i in range(len(owner) + 1)}
+    classes = {}
     for path, styles in matched.items():
+        module = modules[path]
+        if not callable(module):
+            continue
         io = tuple((s.axis, s.input, s.output, s.pin_input_gradient) for s in styles
                    if s.input is not None or s.output is not None)
         gather = tuple((s.axis, s.compute) for s in default + styles if s.compute is not None) if path in owners else ()
-        if io or gather:
-            module = modules[path]
-            module.__class__ = _constrained(type(module), io, gather)
+        base = getattr(type(module), "_unconstrained", type(module))  # parallelizing again replaces, never stacks
+        classes[path] = _constrained(base, io, gather) if io or gather or path in holders else base
+
+    for (var, _, _), value in zip(params, values):
+        var.set_value(value)
+    for path, cls in classes.items():
+        modules[path].__class__ = cls
     return model
 
 
 def placements_of(tree: Any) -> Any:
-    """The placements of every DArray in ``tree`` (other leaves: None), e.g. of ``nnx.state(model)``."""
-    return jax.tree.map(lambda a: a.placements if isinstance(a, DArray) else None, tree,
-                        is_leaf=lambda a: isinstance(a, DArray))
+    """The placements of every DArray in ``tree`` (other leaves: None), e.g. of ``nnx.state(model)``.
+
+    A tree with leaves but no DArray among them is refused: asking where an unparallelized model's parameters
+    live has no answer worth a tree of Nones."""
+    if jax.tree.leaves(tree) and not _holds_darray(tree):
+        raise ValueError(f"placements_of: {_kind(tree)} holds no DArray; pass DArrays or a parallelized model's "
+                         "state, nnx.state(parallelize(model, mesh, plan))")
+    return jax.tree.map(lambda a: a.placements if isinstance(a, DArray) else None, tree, is_leaf=_is_darray)
 
 
-def _styles(s) -> tuple[ParallelStyle, ...]:
-    return (s,) if isinstance(s, ParallelStyle) else tuple(s)
+def _holds_darray(tree: Any) -> bool:
+    """Whether any leaf of ``tree`` is a DArray (parallelized parameters, optimizer state)."""
+    return any(map(_is_darray, jax.tree.leaves(tree, is_leaf=_is_darray)))
 
 
-def _check_axes(styles, names, mesh, where):
+def _kind(x: Any) -> str:
+    """How an error message names a wrong argument: its type, and its value when that is short."""
+    return f"{type(x).__name__} {x!r}" if isinstance(x, (str, int, float)) else type(x).__name__
+
+
+def _plan(plan: Any) -> dict[str, tuple[ParallelStyle, ...]]:
+    if plan is None:
+        return {}
+    if not isinstance(plan, Mapping):
+        raise TypeError(f"parallelize: plan must be a mapping {{module path pattern: style or [styles]}}, such as "
+                        f"{{'blocks/*/q': ColwiseParallel('tp')}}, got {_kind(plan)}")
+    for pattern in plan:
+        if not isinstance(pattern, str):
+            raise TypeError(f"parallelize: plan key {pattern!r} ({type(pattern).__name__}) is not a module path "
+                            "pattern; keys are strings of attribute names and list indices joined by '/', with "
+                            "glob wildcards ('blocks/*/q'; '' is the model itself)")
+    return {pattern: _styles(styles, f"plan[{pattern!r}]") for pattern, styles in plan.items()}
+
+
+def _styles(s: Any, where: str) -> tuple[ParallelStyle, ...]:
+    styles = tuple(s) if isinstance(s, (list, tuple)) else (s,)
+    for style in styles:
+        if isinstance(style, ParallelStyle):
+            continue
+        if isinstance(style, type) and issubclass(style, ParallelStyle):
+            fix = f"make one: {style.__name__}('tp')"
+        elif isinstance(style, Placement):
+            fix = ("styles (ColwiseParallel('tp'), FullyShard('dp'), ...) say how a module's parameters and "
+                   "activations are placed; to place one parameter yourself annotate it with nnx.with_partitioning")
+        else:
+            fix = ("use ColwiseParallel, RowwiseParallel, SequenceParallel, DataParallel or FullyShard, e.g. "
+                   "ColwiseParallel('tp')")
+        raise TypeError(f"parallelize: {where} holds {style!r} ({type(style).__name__}), which is not a parallel "
+                        f"style; {fix}")
+    return styles
+
+
+def _rules(rules: Any, mesh: Mesh) -> dict[str, Any]:
+    """``rules`` as ``{logical name: mesh axis, tuple of mesh axes or None}``, each target checked against the
+    mesh."""
+    how = "rules= takes (logical name, mesh axis) pairs, e.g. [('embed', 'dp'), ('mlp', 'tp')]"
+    pairs = list(rules.items()) if isinstance(rules, Mapping) else rules
+    if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Iterable):
+        raise TypeError(f"parallelize: {how}; got {_kind(rules)}")
+    table: dict[str, Any] = {}
+    for pair in pairs:
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str)):
+            raise TypeError(f"parallelize: {how}; got the entry {pair!r}")
+        name, target = pair
+        axes = target if isinstance(target, tuple) else (target,)
+        if target is not None and not all(isinstance(a, str) and a in mesh.axis_names for a in axes):
+            raise ValueError(f"parallelize: rules= maps {name!r} to {target!r}; a logical name maps to a mesh axis of "
+                             f"{format_mesh(mesh)}, a tuple of them, or None")
+        if name in table:
+            raise ValueError(f"parallelize: rules= maps {name!r} twice ({table[name]!r} and {target!r}); give each "
+                             "logical name one target")
+        table[name] = target
+    return table
+
+
+def _check_axes(styles, names, mesh, where) -> None:
     seen = {}
     for s in styles:
         if s.axis not in names:
@@ -110,52 +212,94 @@ def _check_axes(styles, names, mesh, where):
         seen[s.axis] = s
 
 
-def _annotated(var, mesh: Mesh, shape, dtype, rules) -> tuple[Placement, ...]:
+def _annotated(var, mesh: Mesh, shape, dtype, rules: dict[str, Any]) -> tuple[Placement, ...]:
     """Placements from a Flax sharding annotation (mesh axis or logical names per dim), else Replicate."""
     meta = var.get_metadata()
     names = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
     if not names:
         return (Replicate(),) * mesh.devices.ndim
-    table = dict(rules)
 
     def resolve(n):
         if n is None or n in mesh.axis_names:
             return n
         if isinstance(n, tuple):
             return tuple(resolve(m) for m in n)
-        if n in table:
-            return table[n]
+        if n in rules:
+            return rules[n]
         raise ValueError(f"parallelize: sharding annotation {tuple(names)} names {n!r}, which is neither a mesh axis "
-                         f"of {format_mesh(mesh)} nor a logical name in rules={tuple(rules)}")
+                         f"of {format_mesh(mesh)} nor a logical name in rules={list(rules.items())}")
 
     spec = PartitionSpec(*map(resolve, names))
     return Spec.from_named_sharding(NamedSharding(mesh, spec), tuple(shape), dtype).placements
 
 
-@lru_cache(maxsize=None)
+@memo(1024)
 def _constrained(cls: type, io: tuple, gather: tuple) -> type:
     """``cls`` whose ``__call__`` constrains its first input and its outputs on the styles' axes, and runs
     with its own parameters at their compute placements (FSDP's gather; the gradient is left to find its
-    way back to the shard)."""
+    way back to the shard). Called outside ``jshard.jit`` (its parameters DArrays, not tracers), it runs
+    itself through ``jshard.jit`` (see ``_eagerly``)."""
     inputs = {axis: p for axis, p, _, _ in io if p is not None}
     outputs = {axis: p for axis, _, p, _ in io if p is not None}
     pin = all(pin_input for *_, pin_input in io)
     compute = dict(gather)
 
-    def __call__(self, x, *args, **kwargs):
-        if inputs:
-            x = constrain(x, inputs, pin_gradient=pin)
+    def __call__(self, *args, **kwargs):
+        if _outside_jit(self, args, kwargs):
+            return _eagerly(self, args, kwargs)
+        if inputs and args:
+            args = (constrain(args[0], inputs, pin_gradient=pin),) + args[1:]
         params = [v for v in vars(self).values() if isinstance(v, nnx.Param)] if compute else []
         stored = [v.get_value() for v in params]
         for v, value in zip(params, stored):
             v.set_value(constrain(value, compute, pin_gradient=False))
         try:
-            out = super(sub, self).__call__(x, *args, **kwargs)
+            out = super(sub, self).__call__(*args, **kwargs)
         finally:
             for v, value in zip(params, stored):
                 v.set_value(value)
         return jax.tree.map(lambda o: constrain(o, outputs), out) if outputs else out
 
     sub = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
-                                      "__qualname__": cls.__qualname__})
+                                      "__qualname__": cls.__qualname__, "_unconstrained": cls})
     return sub
+
+
+def _is_darray(a: Any) -> bool:
+    return isinstance(a, DArray)
+
+
+def _outside_jit(module: nnx.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether a module call sees DArrays (it runs eagerly) rather than the tracers ``jshard.jit`` gives it."""
+    leaves = jax.tree.leaves((module, args, kwargs), is_leaf=_is_darray)
+    if not any(isinstance(a, DArray) for a in leaves):
+        return False
+    if any(isinstance(a, jax.core.Tracer) for a in leaves):
+        raise TypeError(f"{type(module).__name__}: called inside a JAX transformation while holding DArray "
+                        "parameters (the model was closed over); pass it as an argument instead: "
+                        "jshard.jit(lambda m, x: m(x))(model, x), or train with TrainStep")
+    return True
+
+
+def _call(module: nnx.Module, static: tuple, *arrays) -> tuple[Any, nnx.State]:
+    """``module(*args, **kwargs)`` with the arguments rebuilt from their arrays and static leaves; also returns
+    the state the call changed (RNG counts, batch statistics), which lives on in the caller's module."""
+    tree, constants = static
+    it = iter(arrays)
+    args, kwargs = jax.tree.unflatten(tree, [next(it) if c is _ARRAY else c for c in constants])
+    return module(*args, **kwargs), nnx.state(module, nnx.Not(nnx.Param))
+
+
+_ARRAY = object()  # in _call's static leaves: an array argument's place
+_EAGER = jit(_call, static_argnums=1)  # one program per model structure, argument specs and static values
+
+
+def _eagerly(module: nnx.Module, args: tuple, kwargs: dict) -> Any:
+    """Run an eager call of a parallelized module as one ``jshard.jit`` program (cached): array arguments are
+    traced, everything else (flags like ``deterministic=True``, sizes) is static as in an eager Flax call."""
+    leaves, tree = jax.tree.flatten((args, kwargs), is_leaf=_is_darray)
+    is_array = [isinstance(a, (DArray, jax.Array, np.ndarray, np.generic)) for a in leaves]
+    static = (tree, tuple(_ARRAY if arr else a for a, arr in zip(leaves, is_array)))
+    out, state = _EAGER(module, static, *[a for a, arr in zip(leaves, is_array) if arr])
+    nnx.update(module, state)
+    return out

@@ -10,6 +10,9 @@ the next consumer) asks for it.
 Flax stores a ``Linear`` kernel as ``(in, out)`` (PyTorch: ``(out, in)``), so column parallel shards dim 1
 here where DTensor shards dim 0.
 
+A style is checked when it is made: the axis must be a name, ``input`` / ``output`` placements (or None),
+dims ints — a mistake shows up where the plan is written, not inside a training step.
+
 >>> from flax import nnx
 >>> lin = nnx.Linear(8, 16, rngs=nnx.Rngs(0))
 >>> ColwiseParallel("tp").param(lin, "kernel", (8, 16)), RowwiseParallel("tp").param(lin, "bias", (16,))
@@ -18,7 +21,7 @@ here where DTensor shards dim 0.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..placements import Placement, Replicate, Shard
@@ -40,6 +43,20 @@ class ParallelStyle:
     output: Placement | None = None
     pin_input_gradient: ClassVar[bool] = True
     compute: ClassVar[Placement | None] = None  # the module's parameters while it runs (None: as stored)
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        if not isinstance(self.axis, str) or not self.axis:
+            raise TypeError(f"{name}: axis must be a mesh axis name (a str such as 'tp'), got {self.axis!r} "
+                            f"({type(self.axis).__name__})")
+        for which in ("input", "output"):
+            value = getattr(self, which)
+            if value is not None and not isinstance(value, Placement):
+                raise TypeError(f"{name}({self.axis!r}): {which} must be a placement (Replicate(), Shard(d), ...) or "
+                                f"None, got {value!r} ({type(value).__name__})")
+        dim = getattr(self, "dim", 0)
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            raise TypeError(f"{name}({self.axis!r}): dim must be an int, got {dim!r} ({type(dim).__name__})")
 
     def param(self, module, name: str, shape: tuple[int, ...]) -> Placement:
         """The placement on ``self.axis`` of parameter ``name`` (of ``shape``) of ``module``."""
@@ -104,9 +121,13 @@ class SequenceParallel(ParallelStyle):
     S(1)
     """
 
+    # set from dim, so not arguments: SequenceParallel("tp", input=...) is a TypeError, never silently replaced
+    input: Placement | None = field(default=None, init=False)
+    output: Placement | None = field(default=None, init=False)
     dim: int = 1
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
+        super().__post_init__()
         object.__setattr__(self, "input", Shard(self.dim))
         object.__setattr__(self, "output", Shard(self.dim))
 
@@ -121,17 +142,20 @@ class DataParallel(ParallelStyle):
     """
 
     axis: str = "dp"
+    input: Placement | None = field(default=None, init=False)  # set from dim
     dim: int = 0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
+        super().__post_init__()
         object.__setattr__(self, "input", Shard(self.dim))
 
 
 @dataclass(frozen=True)
 class FullyShard(ParallelStyle):
     """FSDP / ZeRO-3 on one axis (usually the data axis): every parameter of rank >= 1 sharded on its dim
-    ``dim`` (default 0); the engine gathers it where a computation needs it whole and the gradient, a
-    ``Partial(sum)`` over the data axis, is reduce-scattered back to the shard. Scalars stay replicated.
+    ``dim`` (default 0; negative counts from the last dim); the engine gathers it where a computation needs it
+    whole and the gradient, a ``Partial(sum)`` over the data axis, is reduce-scattered back to the shard.
+    Parameters without that dim (scalars) stay replicated.
 
     >>> from flax import nnx
     >>> FullyShard("dp").param(nnx.Linear(8, 16, rngs=nnx.Rngs(0)), "kernel", (8, 16))
@@ -143,4 +167,4 @@ class FullyShard(ParallelStyle):
     compute: ClassVar[Placement | None] = R  # gathered while the module runs, one module at a time
 
     def param(self, module, name, shape):
-        return Shard(self.dim) if len(shape) > self.dim else R
+        return Shard(self.dim % len(shape)) if -len(shape) <= self.dim < len(shape) else R

@@ -5,7 +5,12 @@
 ``TrainStep(model, tx, loss_fn)`` is one ``jshard.jit`` program per step: forward, gradients, optimizer
 update. Gradients are pinned to their parameters' placements (a data-parallel gradient is all-reduced once per
 parameter, an FSDP one reduce-scattered), so the update runs where the parameters and optimizer state live;
-both keep their placements and their storage is donated.
+both keep their placements and their storage is donated. The rest of the model's state (``nnx.Rngs``' keys
+and counts: dropout) goes through the step too and comes back updated, so every step draws fresh masks.
+
+Arguments are checked before any work: a model that was never parallelized, an optax factory passed
+uncalled (``optax.adamw`` for ``optax.adamw(1e-3)``), a loss that is not a float scalar (checked while the
+first step traces, before it runs) are errors that say so.
 
 >>> import jax, jax.numpy as jnp, numpy as np, optax, jshard
 >>> from flax import nnx
@@ -26,19 +31,28 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
 from ..api import Explanation, constrain, jit, same_as
 from ..darray import DArray
 from ..placements import Replicate
-from .parallelize import placements_of
+from .parallelize import _holds_darray, _is_darray, _kind, placements_of
 
 __all__ = ["TrainStep", "init_optimizer"]
 
 
 def init_optimizer(tx: optax.GradientTransformation, params: Any) -> Any:
-    """``tx.init(params)`` with every subtree shaped like ``params`` placed like it, the rest Replicate."""
+    """``tx.init(params)`` with every subtree shaped like ``params`` placed like it, the rest Replicate.
+    ``params``: DArrays, say ``nnx.state(model, nnx.Param)`` of a parallelized model."""
+    _check_tx(tx, "init_optimizer")
+    if isinstance(params, nnx.Module):
+        raise TypeError("init_optimizer: params is a whole nnx.Module; pass its parameters, "
+                        "nnx.state(model, nnx.Param)")
+    if not _holds_darray(params):
+        raise ValueError(f"init_optimizer: params ({_kind(params)}) hold no DArray; pass the parameters of a "
+                         "parallelized model, nnx.state(parallelize(model, mesh, plan), nnx.Param)")
     return jit(tx.init, out_placements=_mirror(tx.init, params))(params)
 
 
@@ -49,8 +63,21 @@ class TrainStep:
     ``.model`` is the model with the current parameters, ``.explain(*batch)`` the plan of a step.
     """
 
-    def __init__(self, model: Any, tx: optax.GradientTransformation, loss_fn: Callable, *, donate: bool = True):
+    def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, loss_fn: Callable, *,
+                 donate: bool = True):
+        if not isinstance(model, nnx.Module):
+            raise TypeError("TrainStep: model must be a Flax nnx.Module made parallel by jshard.parallel.parallelize, "
+                            f"got {_kind(model)}")
+        _check_tx(tx, "TrainStep")
+        if not callable(loss_fn):
+            raise TypeError(f"TrainStep: loss_fn must be a function loss_fn(model, *batch) -> scalar loss, got "
+                            f"{type(loss_fn).__name__} {loss_fn!r}")
+        if not isinstance(donate, bool):
+            raise TypeError(f"TrainStep: donate must be True or False, got {donate!r}")
         self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
+        if not _holds_darray(self.params):
+            raise ValueError(f"TrainStep: the parameters of {type(model).__name__} are not DArrays: the model was not "
+                             "parallelized; call jshard.parallel.parallelize(model, mesh, plan) first")
         self.opt_state = init_optimizer(tx, self.params)
         graphdef = self.graphdef
         # gradients land on their parameters' placements at once (one all-reduce per replicated parameter, one
@@ -59,8 +86,11 @@ class TrainStep:
 
         def step(params, opt_state, rest, *batch):
             def loss_of(p):
-                m = nnx.merge(graphdef, p, rest)
+                # fresh Variables at this trace level: the forward pass may update them (RNG counts), and Flax
+                # refuses updates to Variables made outside the gradient's trace
+                m = nnx.merge(graphdef, p, rest, copy=True)
                 loss = loss_fn(m, *batch)
+                _check_loss(loss, loss_fn)
                 return loss, nnx.split(m, nnx.Param, ...)[2]  # state the forward pass updated (RNG counts)
 
             (loss, rest), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
@@ -69,7 +99,7 @@ class TrainStep:
             updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, rest, loss
 
-        mesh_rank = next(a for a in jax.tree.leaves(self.params, is_leaf=_is_darray) if _is_darray(a)).mesh.devices.ndim
+        mesh_rank = next(filter(_is_darray, jax.tree.leaves(self.params, is_leaf=_is_darray))).mesh.devices.ndim
         self._step = jit(step, out_placements=(same_as(0), same_as(1), None, (Replicate(),) * mesh_rank),
                          donate_argnums=(0, 1) if donate else ())
 
@@ -88,8 +118,22 @@ class TrainStep:
         return self._step.lower(self.params, self.opt_state, self.rest, *batch)
 
 
-def _is_darray(a) -> bool:
-    return isinstance(a, DArray)
+def _check_tx(tx: Any, where: str) -> None:
+    if callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None)):
+        return
+    # optax.adamw rather than optax.adamw(1e-3): the factory, not the transformation
+    fix = f"; call it: {tx.__name__}(learning_rate)" if callable(tx) and hasattr(tx, "__name__") else ""
+    raise TypeError(f"{where}: tx must be an optax.GradientTransformation (say optax.adamw(1e-3)), got "
+                    f"{_kind(tx)}{fix}")
+
+
+def _check_loss(loss: Any, loss_fn: Callable) -> None:
+    """The loss must be a float scalar: a gradient needs one number (and TrainStep takes no aux outputs)."""
+    if getattr(loss, "shape", None) == () and jnp.issubdtype(loss.dtype, jnp.floating):
+        return
+    got = f"{loss.dtype}{list(loss.shape)}" if hasattr(loss, "shape") else type(loss).__name__
+    raise TypeError(f"TrainStep: loss_fn {getattr(loss_fn, '__qualname__', loss_fn)!s} returned {got}; it must "
+                    "return the loss alone, a float scalar (reduce it, say with jnp.mean)")
 
 
 def _mirror(init: Callable, params: Any) -> Any:

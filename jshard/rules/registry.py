@@ -24,9 +24,9 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, ClassVar, NamedTuple
 
+from ..caches import memo
 from ..placements import REDUCE_OPS, Partial, Placement, Replicate, Shard, StridedShard
 
 __all__ = [
@@ -138,7 +138,7 @@ def registered() -> tuple[str, ...]:
     return tuple(sorted(_RULES))
 
 
-@lru_cache(maxsize=None)
+@memo(1024)
 def _shard(dim: int, sf: int) -> Placement:
     return Shard(dim) if sf == 1 else StridedShard(dim, sf)
 

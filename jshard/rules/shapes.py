@@ -45,11 +45,11 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from functools import lru_cache
 
 import numpy as np
 from jax import lax
 
+from ..caches import memo
 from ..local import global_index
 from ..placements import Placement, Shard, StridedShard
 from ..spec import Spec, dim_layout
@@ -233,7 +233,7 @@ def _reshape_exact(src: Spec, dst: Spec) -> bool:
                            tuple(map(dst.chain, range(dst.rank))))
 
 
-@lru_cache(maxsize=4096)
+@memo(4096)
 def _blocks_reshape(src: tuple, dst: tuple, mesh_shape: tuple, src_chains: tuple, dst_chains: tuple) -> bool:
     if 0 in src:
         return True  # no elements: any blocks reshape (unit dims only ever hold presence)
