@@ -23,13 +23,16 @@ import warnings  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 import jshard  # noqa: E402
+from jshard import (  # noqa: E402
+    Replicate,
+    Shard,
+    clear_caches,  # noqa: E402
+)
 from report import write_json  # noqa: E402
-from jshard import Replicate, Shard  # noqa: E402
-from jshard import api  # noqa: E402
-from jshard import clear_caches  # noqa: E402
 
 R = Replicate()
 V, D, H, F, B, T = 64, 32, 4, 128, 4, 16
@@ -93,7 +96,8 @@ def measure_step(layers: int, mesh):
     ids, labels = rng.integers(0, V, (B, T)).astype(np.int32), rng.integers(0, V, (B, T)).astype(np.int32)
     step = step_fn(layers)
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    pl = {jax.tree_util.keystr(k): placements(jax.tree_util.keystr(k).replace("']['", "/").strip("[']")) for k, _ in flat}
+    path = lambda k: jax.tree_util.keystr(k).replace("']['", "/").strip("[']")
+    pl = {jax.tree_util.keystr(k): placements(path(k)) for k, _ in flat}
     dparams = jax.tree_util.tree_map_with_path(
         lambda k, a: jshard.distribute(a, mesh, pl[jax.tree_util.keystr(k)]), params)
     dids, dlabels = (jshard.distribute(a, mesh, (Shard(0), R)) for a in (ids, labels))
@@ -101,12 +105,10 @@ def measure_step(layers: int, mesh):
     # jshard: trace + propagate, then the whole lowering to StableHLO (the per-device function traced by JAX);
     # XLA's compile comes after
     clear_caches()
-    leaves, treedef = jax.tree.flatten(((dparams, dids, dlabels), {}), is_leaf=lambda a: isinstance(a, jshard.DArray))
-    specs = [a.spec for a in leaves]
     t0 = time.perf_counter()
-    traced = api._trace(lambda a, kw: step(*a, **kw), treedef, specs, mesh, jshard.same_as(0), (dparams, dids, dlabels))
+    traced = jshard.jit(step, out_placements=jshard.same_as(0)).trace(dparams, dids, dlabels)
     t_prop = time.perf_counter() - t0
-    n_eqns = len(traced.program.steps)
+    n_eqns = len(traced.plan.equations)
     t0 = time.perf_counter()
     jax.make_jaxpr(step)(*jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, ids, labels)))
     t_jaxpr = time.perf_counter() - t0  # JAX's own tracing, part of trace + propagate

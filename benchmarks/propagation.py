@@ -25,8 +25,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from jshard import Partial, Replicate, Shard, Spec  # noqa: E402
-from jshard import clear_caches  # noqa: E402
+from jshard import (  # noqa: E402
+    Partial,
+    Replicate,
+    Shard,
+    Spec,
+    clear_caches,  # noqa: E402
+)
 from jshard.propagate import select  # noqa: E402
 from report import write_json  # noqa: E402
 
@@ -143,7 +148,8 @@ def main():
     print(f"{'op':26} " + " ".join(f"{m:>22}" for m in MESHES) + f" {'DTensor (2,4)':>14} {'ratio (2,4)':>12}")
     for op in dict.fromkeys(r["op"] for r in rows):
         cells = {r["mesh"]: r for r in rows if r["op"] == op}
-        line = f"{op:26} " + " ".join(f"{cells[m]['uncached_us']:9.1f} / {cells[m]['cached_us']:6.2f} µs" for m in MESHES)
+        line = f"{op:26} " + " ".join(f"{cells[m]['uncached_us']:9.1f} / {cells[m]['cached_us']:6.2f} µs"
+                                      for m in MESHES)
         ours = cells["(2,4)"]["uncached_us"]
         print(line + f" {DTENSOR_2x4[op]:>11} µs {DTENSOR_2x4[op] / ours:>10.0f}x")
     print("(uncached / cached median; ratio = DTensor uncached / jshard uncached)")

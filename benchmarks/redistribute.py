@@ -355,19 +355,22 @@ def main() -> int:
 
 def print_tables(result: dict) -> None:
     print(f"\njshard redistribution ({result['devices']}, jax {result['jax']})")
-    head = f"{'mesh':<9} {'shape':<12} {'pairs':>7} {'wrong':>6} {'colls':>7} {'MB/dev in':>10} {'plan µs med':>11} {'p90':>7}"
+    head = (f"{'mesh':<9} {'shape':<12} {'pairs':>7} {'wrong':>6} {'colls':>7} {'MB/dev in':>10} "
+            f"{'plan µs med':>11} {'p90':>7}")
     print(head + "\n" + "-" * len(head))
     for c in result["configs"]:
         wrong = "-" if c["wrong"] is None else c["wrong"]
         print(f"{'x'.join(map(str, c['mesh'])):<9} {'x'.join(map(str, c['shape'])):<12} {c['pairs']:>7} {wrong:>6} "
-              f"{c['collectives']:>7} {c['bytes'] / 1e6:>10.1f} {c['planning_us_median']:>11.0f} {c['planning_us_p90']:>7.0f}")
+              f"{c['collectives']:>7} {c['bytes'] / 1e6:>10.1f} {c['planning_us_median']:>11.0f} "
+              f"{c['planning_us_p90']:>7.0f}")
         print(f"{'':<22}by kind: " + ", ".join(f"{k} {v} ({c['bytes_by_kind'][k] / 1e6:.1f} MB)"
                                              for k, v in sorted(c["collectives_by_kind"].items())))
         sub = c["dtensor_accepted_subset"]
         print(f"{'':<22}pairs DTensor's public API accepts (no new Partial target): {sub['pairs']}, "
               f"{sub['collectives']} collectives, {sub['bytes'] / 1e6:.1f} MB")
     p = result["planning_6d"]
-    print(f"planning on mesh (2,)*6, f32[16,16,16]: median {p['planning_us_median']:.0f} µs, p90 {p['planning_us_p90']:.0f} µs")
+    print(f"planning on mesh (2,)*6, f32[16,16,16]: median {p['planning_us_median']:.0f} µs, "
+          f"p90 {p['planning_us_p90']:.0f} µs")
     print("\nvs XLA resharding (jit identity with in/out shardings) on the pairs XLA can express;")
     print("received bytes per device from both compiled HLOs; 'bytes-first' = jshard with a bandwidth-only cost model")
     head = (f"{'mesh':<9} {'shape':<12} {'pairs':>6} {'model':<12} {'bytes j/XLA':>11} {'j/bound':>8} {'XLA/bound':>9} "
@@ -375,7 +378,8 @@ def print_tables(result: dict) -> None:
     print(head + "\n" + "-" * len(head))
     for c in result["xla"]:
         for tag, label in (("jshard", "default"), ("bytes_first", "bytes-first")):
-            print(f"{'x'.join(map(str, c['mesh'])):<9} {'x'.join(map(str, c['shape'])):<12} {c['pairs']:>6} {label:<12} "
+            mesh, shape = "x".join(map(str, c["mesh"])), "x".join(map(str, c["shape"]))
+            print(f"{mesh:<9} {shape:<12} {c['pairs']:>6} {label:<12} "
                   f"{c[tag + '_bytes'] / c['xla_bytes']:>11.3f} {c[tag + '_bytes'] / c['lower_bound']:>8.3f} "
                   f"{c['xla_bytes'] / c['lower_bound']:>9.3f} {c[tag + '_pairs_more_bytes_than_xla']:>11} "
                   f"{c[tag + '_collectives']:>6}/{c['xla_collectives']:<6} {c[tag + '_hlo_matches_plan']:>8}")

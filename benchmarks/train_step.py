@@ -27,11 +27,11 @@ from flax import nnx  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 
 import jshard  # noqa: E402
-from report import write_json  # noqa: E402
 from jshard import Replicate, Shard  # noqa: E402
 from jshard.gpt import GPT, cross_entropy, plan, summed_terms  # noqa: E402
 from jshard.parallel import TrainStep, parallelize  # noqa: E402
 from jshard.validate.tolerance import curve_ratio  # noqa: E402
+from report import write_json  # noqa: E402
 
 VOCAB, DIM, HEADS, SEQ, BATCH = 256, 128, 4, 64, 16
 SETUPS = {"dp2xtp4": ((2, 4), ("dp", "tp"), "tp"), "fsdp8": ((8,), ("dp",), "fsdp")}
@@ -70,7 +70,8 @@ def run(name: str, layers: int, steps: int, rounds: int = 10) -> dict:
     # (b) jax.jit with the same placements as NamedShardings (GSPMD / Shardy partitions the program)
     auto = jax.make_mesh(shape, names, devices=devices[:8], axis_types=(AxisType.Auto,) * len(shape))
     graphdef, params, rest = nnx.split(make(), nnx.Param, ...)
-    specs = jax.tree.map(lambda d: d.spec.to_partition_spec(), step.params, is_leaf=lambda a: isinstance(a, jshard.DArray))
+    specs = jax.tree.map(lambda d: d.spec.to_partition_spec(), step.params,
+                         is_leaf=lambda a: isinstance(a, jshard.DArray))
     params = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(auto, s)), params, specs)
     replicated = NamedSharding(auto, jax.sharding.PartitionSpec())
     opt_state = jax.tree.map(lambda a: a if len(a.sharding.device_set) > 1 else jax.device_put(a, replicated),
@@ -116,7 +117,8 @@ def run(name: str, layers: int, steps: int, rounds: int = 10) -> dict:
                 jshard_collectives=ours_hlo, jax_collectives=theirs_hlo,
                 jshard_first_call_s=round(t_ours_first, 2), jax_first_call_s=round(t_theirs_first, 2),
                 loss_max_rel_diff=float(max(abs(a - b) / abs(b) for a, b in zip(ours, theirs))),
-                losses_agree=curve_ratio(ours, theirs, n_per_step=summed_terms(VOCAB, DIM, layers, SEQ, BATCH)) <= 1, first_loss=ours[0], last_loss=ours[-1])
+                losses_agree=curve_ratio(ours, theirs, n_per_step=summed_terms(VOCAB, DIM, layers, SEQ, BATCH)) <= 1,
+                first_loss=ours[0], last_loss=ours[-1])
 
 
 def main():

@@ -13,10 +13,12 @@ explicit collectives.
 True
 """
 
-from .api import Explanation, apply, constrain, explain, jit, same_as
+from .api import constrain, explain, jit, same_as
 from .caches import clear_caches
 from .cost import AxisCost, CostModel
 from .darray import DArray, DeletedArrayError, distribute, from_jax, from_local
+from .explanation import Explanation
+from .operators import apply
 from .placements import Partial, Placement, PlacementError, Replicate, Shard, StridedShard
 from .planner import Plan, Step, plan_redistribute
 from .spec import LayoutError, Spec

@@ -19,11 +19,13 @@ DArray(f32[10,2] (S(0), R) on mesh(dp=2, tp=4))
 from __future__ import annotations
 
 import collections
+import os
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import source_info_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .cost import CostModel
@@ -34,13 +36,17 @@ from .spec import Spec, block_sharding, check_dtype, check_mesh, format_mesh
 
 __all__ = ["DArray", "DeletedArrayError", "distribute", "from_local", "from_jax"]
 
+# equations are attributed to the user's line: jshard's own wrappers are not it
+source_info_util.register_exclusion(os.path.abspath(__file__))
+
 
 @jax.tree_util.register_pytree_node_class
 class DArray:
     """A distributed array: block storage plus the spec that says what each block means.
 
     Build one with ``distribute``, ``from_local`` or ``from_jax``; the constructor takes the block array
-    as is (its shape must be ``spec.block_shape``).
+    as is (its shape must be ``spec.block_shape``). Its arithmetic operators, indexing and reductions
+    (``x + y``, ``x @ w``, ``x[1:]``, ``x.sum()``) are attached by ``jshard.operators``, above the engine.
     """
 
     __slots__ = ("block", "spec")
@@ -95,41 +101,6 @@ class DArray:
                                 "outputs. Use the outputs, or leave it out of donate_argnums")
 
     # -- conversions ------------------------------------------------------------------------------
-    # -- eager operators (notebooks): each runs as a cached single-call jshard.jit program ---------------
-    def _apply(self, f, *args, **static):
-        from .api import apply  # the engine builds on DArray
-
-        return apply(f, *args, **static)
-
-    def __add__(self, o): return self._apply(jnp.add, self, o)
-    def __radd__(self, o): return self._apply(jnp.add, o, self)
-    def __sub__(self, o): return self._apply(jnp.subtract, self, o)
-    def __rsub__(self, o): return self._apply(jnp.subtract, o, self)
-    def __mul__(self, o): return self._apply(jnp.multiply, self, o)
-    def __rmul__(self, o): return self._apply(jnp.multiply, o, self)
-    def __truediv__(self, o): return self._apply(jnp.true_divide, self, o)
-    def __rtruediv__(self, o): return self._apply(jnp.true_divide, o, self)
-    def __pow__(self, o): return self._apply(jnp.power, self, o)
-    def __matmul__(self, o): return self._apply(jnp.matmul, self, o)
-    def __rmatmul__(self, o): return self._apply(jnp.matmul, o, self)
-    def __neg__(self): return self._apply(jnp.negative, self)
-    def __lt__(self, o): return self._apply(jnp.less, self, o)
-    def __le__(self, o): return self._apply(jnp.less_equal, self, o)
-    def __gt__(self, o): return self._apply(jnp.greater, self, o)
-    def __ge__(self, o): return self._apply(jnp.greater_equal, self, o)
-    def __getitem__(self, idx): return self._apply(_getitem, self, idx=idx)
-
-    @property
-    def T(self) -> DArray:  # noqa: N802 - numpy's name
-        return self._apply(jnp.transpose, self)
-
-    def sum(self, axis=None) -> DArray: return self._apply(jnp.sum, self, axis=axis)
-    def mean(self, axis=None) -> DArray: return self._apply(jnp.mean, self, axis=axis)
-    def max(self, axis=None) -> DArray: return self._apply(jnp.max, self, axis=axis)
-    def min(self, axis=None) -> DArray: return self._apply(jnp.min, self, axis=axis)
-    def astype(self, dtype) -> DArray: return self._apply(_astype, self, dtype=np.dtype(dtype))
-    def reshape(self, *shape) -> DArray: return self._apply(jnp.reshape, self, shape=_shape(shape))
-
     def redistribute(self, placements: Sequence[Placement], *, cost_model: CostModel | None = None) -> DArray:
         """The same value with new placements, Partial targets included.
 
@@ -352,18 +323,6 @@ def _infer_shape(local_shapes: dict, mesh: Mesh, placements, rank: int) -> tuple
         shape.append(sum(s[d] for coords, s in local_shapes.items()
                          if all(c == 0 for a, c in enumerate(coords) if a not in sharding_axes)))
     return tuple(shape)
-
-
-def _getitem(x, *, idx):
-    return x[idx]
-
-
-def _astype(x, *, dtype):
-    return x.astype(dtype)
-
-
-def _shape(shape) -> tuple:
-    return tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -51,7 +51,8 @@ def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mesh", default="dp=2,tp=4", help="axis=size pairs; the first is the data axis, the last the tensor axis")
+    ap.add_argument("--mesh", default="dp=2,tp=4",
+                    help="axis=size pairs; the first is the data axis, the last the tensor axis")
     ap.add_argument("--style", default="tp", choices=["tp", "sp", "fsdp", "dp"])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--layers", type=int, default=2)
@@ -92,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     for path, var in nnx.iter_graph(model.blocks[0]):
         if isinstance(var, nnx.Param):
             d = var.get_value()
-            print(f"  {'/'.join(map(str, path)):<14} {str(d.shape):<10} {jshard.placements.format_placements(d.placements)}")
+            where, shape = "/".join(map(str, path)), str(d.shape)
+            print(f"  {where:<14} {shape:<10} {jshard.placements.format_placements(d.placements)}")
     print()
 
     tokens = corpus(vocab, args.steps * batch * (seq + 1) + 1)

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from .placements import Replicate, Shard
 from .parallel.styles import ColwiseParallel, FullyShard, ParallelStyle, RowwiseParallel, SequenceParallel
+from .placements import Replicate, Shard
 
 __all__ = ["GPT", "cross_entropy", "one_device_trainer", "plan", "summed_terms"]
 

@@ -30,10 +30,9 @@ from .caches import memo
 from .exchange import exchange_schedule
 from .local import PerDevice, reduce_identity
 from .planner import Plan, Step
-from .rules.registry import rule_for
 from .spec import Spec
 
-__all__ = ["compile_plan", "local_program", "local_equation", "ordered_reduce", "reduce_identity"]
+__all__ = ["compile_plan", "local_program", "ordered_reduce", "reduce_identity"]
 
 
 @memo(4096)
@@ -70,25 +69,6 @@ def local_program(plan: Plan) -> Callable:
         for fn in steps:
             x = fn(x)
         return x
-
-    return run
-
-
-def local_equation(prim, params: dict, in_specs, out_specs) -> Callable:
-    """The per-device function of one equation whose inputs have ``in_specs`` and outputs ``out_specs``
-    (a strategy chosen by ``jshard.propagate.select``): padded local blocks in, a list of blocks out.
-
-    Most primitives simply run on the local blocks; a rule supplies its own local form where params hold
-    global sizes or a device needs its offsets (iota, reshape, gathers from a sharded table, RNG).
-    """
-    rule = rule_for(prim)
-    if rule is not None and rule.local is not None:
-        return rule.local(prim, params, tuple(in_specs), tuple(out_specs))
-    bind = prim.get_bind_params(params)
-
-    def run(*blocks):
-        out = prim.bind(*blocks, **bind)
-        return list(out) if prim.multiple_results else [out]
 
     return run
 

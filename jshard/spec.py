@@ -101,7 +101,7 @@ def check_dtype(dtype, where: str) -> np.dtype:
     return stored
 
 
-def _dtype_short(dtype: np.dtype) -> str:
+def dtype_short(dtype: np.dtype) -> str:
     if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
         return str(dtype)  # PRNG keys: key<fry>
     dtype = np.dtype(dtype)
@@ -217,7 +217,7 @@ class Spec:
     # -- printing ---------------------------------------------------------------------------------
     def __str__(self) -> str:
         return (
-            f"{_dtype_short(self.dtype)}[{','.join(map(str, self.shape))}] "
+            f"{dtype_short(self.dtype)}[{','.join(map(str, self.shape))}] "
             f"{format_placements(self.placements)} on {format_mesh(self.mesh)}"
         )
 

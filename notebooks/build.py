@@ -38,7 +38,8 @@ print(jshard.visualize(x))'''),
 print(plan)
 y = x.redistribute([Shard(1), Shard(0)])
 assert np.array_equal(np.asarray(y.full()), g)
-print(jshard.plan_redistribute(jshard.distribute(g, mesh, [StridedShard(0, 2), Shard(0)]), [Replicate(), Replicate()]))'''),
+strided = jshard.distribute(g, mesh, [StridedShard(0, 2), Shard(0)])
+print(jshard.plan_redistribute(strided, [Replicate(), Replicate()]))'''),
     ("md", "## Partial and linearity\nA sharded contraction leaves a `Partial(sum)`; linear ops keep it, others "
            "reduce first. The cast to int is the trap: truncating each part and then summing is wrong."),
     ("code", '''a = jshard.distribute(np.full((8, 4), 0.5, np.float32), mesh, [Replicate(), Shard(1)])
@@ -63,9 +64,11 @@ m = jshard.from_local([v - (i % 3) for i in range(8)], mesh, [Partial("max"), Pa
 e = jshard.jit(lambda t: jnp.exp(t) * 2.0)(m)
 print(e.placements, is_close(e.full(), np.exp(v) * 2, terms=np.exp(v) * 2))  # exp rounds once per element
 s = jshard.jit(jnp.sum, out_placements=(Replicate(), Replicate()))(jshard.distribute(v, mesh, [Shard(0), Shard(1)]))
-print(jshard.explain(jnp.sum, jshard.distribute(v, mesh, [Shard(0), Shard(1)]), out_placements=(Replicate(), Replicate())).totals)
+sharded = jshard.distribute(v, mesh, [Shard(0), Shard(1)])
+print(jshard.explain(jnp.sum, sharded, out_placements=(Replicate(), Replicate())).totals)
 blocks = [np.asarray(t) for t in s.to_local()]
-print("value", float(s), "vs", float(v.sum()), "; replicas bitwise equal:", all(np.array_equal(blocks[0], t) for t in blocks))'''),
+same = all(np.array_equal(blocks[0], t) for t in blocks)
+print("value", float(s), "vs", float(v.sum()), "; replicas bitwise equal:", same)'''),
 ]
 
 FLAX = [

@@ -89,7 +89,8 @@ def local_blocks(value: np.ndarray, mesh_shape, placements, rng) -> list[np.ndar
     out = []
     for coords in itertools.product(*map(range, mesh_shape)):
         idx = reference_indices(value.shape, mesh_shape, placements, coords)
-        out.append(parts[tuple(coords[a] for a in axes)][np.ix_(*idx)] if idx else parts[tuple(coords[a] for a in axes)])
+        part = parts[tuple(coords[a] for a in axes)]
+        out.append(part[np.ix_(*idx)] if idx else part)
     return out
 
 

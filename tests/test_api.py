@@ -45,7 +45,8 @@ def test_attention_with_causal_mask_and_softmax():
     mesh = make_mesh((2, 4))
     rng = np.random.default_rng(1)
     Q, K = rng.normal(size=(8, 16)).astype(np.float32), rng.normal(size=(8, 16)).astype(np.float32)
-    out = jshard.jit(attention)(jshard.distribute(Q, mesh, (Shard(0), Shard(1))), jshard.distribute(K, mesh, (R, Shard(1))))
+    q, k = jshard.distribute(Q, mesh, (Shard(0), Shard(1))), jshard.distribute(K, mesh, (R, Shard(1)))
+    out = jshard.jit(attention)(q, k)
     assert_close(out.full(), attention(Q, K), n=16 + 8)  # scores contract 16, softmax sums 8
 
 

@@ -64,7 +64,8 @@ JIT_CASES = [
     ("object-in-a-tree", lambda x: jshard.jit(lambda d: d["w"] * 2)({"w": x, "o": object()}), TypeError,
      r"argument 0\['o'\] of .* is a object"),
     ("string-keyword", lambda x: jshard.jit(lambda a, b=None: a)(x, b="s"), TypeError, r"keyword 'b' of .* is a str"),
-    ("no-darray", lambda x: jshard.jit(two)(np.ones(3), np.ones(3)), ValueError, r"no DArray among the arguments of two"),
+    ("no-darray", lambda x: jshard.jit(two)(np.ones(3), np.ones(3)), ValueError,
+     r"no DArray among the arguments of two"),
     ("returns-a-string", lambda x: jshard.jit(lambda a: "done")(x), TypeError,
      r"<lambda> \(test_bad_inputs.py:\d+\) returned a str .*returns arrays"),
     ("returns-an-object-in-a-tree", lambda x: jshard.jit(lambda a: {"y": a, "f": print})(x), TypeError,
@@ -106,7 +107,8 @@ CONSTRAIN_CASES = [
      r"constrain: 1 placements for the 2 axes"),
 ]
 
-OTHER_MESH = ("other-mesh", None, ValueError, r"live on different meshes, mesh\(dp=2, tp=4\) of devices .* and mesh\(x=8\)")
+OTHER_MESH = ("other-mesh", None, ValueError,
+              r"live on different meshes, mesh\(dp=2, tp=4\) of devices .* and mesh\(x=8\)")
 
 
 def _other(x):
@@ -208,40 +210,46 @@ def test_constrain_outside_jit_redistributes_a_darray_and_leaves_arrays_alone():
 
 
 def test_caches_are_bounded_keyed_by_value_and_cleared_in_one_place():
-    from jshard.caches import _CACHES
-    from jshard.propagate import _Held, params_key
+    from jshard.caches import Cache
+    from jshard.propagate import params_key
 
-    class Opaque:  # no hash, no content: keyed by the object itself, kept alive while cached
+    class Opaque:  # no hash, no content: keyed by the object itself (held, so its id is never recycled)
         __hash__ = None
 
     a, b = Opaque(), Opaque()
     assert params_key({"p": a}) == params_key({"p": a}) != params_key({"p": b})
-    assert isinstance(params_key({"p": a})[0][1], _Held)
-    mesh = make_mesh((8,))
-    x = jshard.distribute(np.ones(8, np.float32), mesh, (Shard(0),))
-    (x * 2).full()
-    assert all(c.maxsize for c in _CACHES) and any(len(c) for c in _CACHES)
-    jshard.clear_caches()
-    assert not any(len(c) for c in _CACHES)
-    np.testing.assert_array_equal(np.asarray((x * 2).full()), np.full(8, 2.0))  # everything still works
+    cache = Cache(2)
+    for k in "xyz":
+        cache.put(k, k.upper())
+    assert len(cache) == 2 and cache.get("x") is None and cache.get("z") == "Z"  # the oldest went
+    traces = []
+    f = jshard.jit(lambda v: traces.append(1) or v * 2)
+    x = jshard.distribute(np.ones(8, np.float32), make_mesh((8,)), (Shard(0),))
+    f(x), f(x)
+    assert len(traces) == 1
+    jshard.clear_caches()  # every memo, a jitted function's programs included
+    assert len(cache) == 0
+    np.testing.assert_array_equal(np.asarray(f(x).full()), np.full(8, 2.0))
+    assert len(traces) == 2  # traced again: its program was forgotten
 
 
 def test_a_loop_prices_the_move_of_its_initial_carry_once():
     # a Partial carry is reduced once before the loop and the body keeps it as it settled, so the loop costs that
     # one move; the estimate once counted it twice, steering the choices of enclosing loops
-    from jshard.api import _replicated, _scan, _while
+    from jshard.engine import replicated
+    from jshard.engine.control import plan_scan, plan_while
 
     mesh = make_mesh((8,))
     w = jshard.distribute(np.eye(8, dtype=np.float32), mesh, (R,))
     h = jshard.from_local([np.ones((16, 8), np.float32) / 8] * 8, mesh, (Partial(),))
-    loops = {_scan: lambda h, w: jax.lax.scan(lambda c, _: (jnp.tanh(c @ w), None), h, None, length=6)[0],
-             _while: lambda h, w: jax.lax.while_loop(lambda c: c[0] < 6, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)),
+    loops = {plan_scan: lambda h, w: jax.lax.scan(lambda c, _: (jnp.tanh(c @ w), None), h, None, length=6)[0],
+             plan_while: lambda h, w: jax.lax.while_loop(lambda c: c[0] < 6, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)),
                                                      (0, h))[1]}
     by_shape = {h.shape: h.spec, w.shape: w.spec}  # everything else (the counter) is replicated
     for walk, f in loops.items():
         (eqn,) = [e for e in jax.make_jaxpr(f)(np.ones((16, 8), np.float32), np.eye(8, dtype=np.float32)).eqns
                   if e.primitive.name in ("scan", "while")]
-        specs = [by_shape.get(tuple(v.aval.shape)) or _replicated(mesh, v.aval.shape, v.aval.dtype) for v in eqn.invars]
+        specs = [by_shape.get(tuple(v.aval.shape)) or replicated(mesh, v.aval.shape, v.aval.dtype) for v in eqn.invars]
         choice = walk(eqn, specs, mesh)[0]
         (carry,) = [s for s in choice.outs if s.shape == h.shape]
         move = jshard.plan_redistribute(h.spec, carry.placements).cost

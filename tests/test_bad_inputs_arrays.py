@@ -29,8 +29,7 @@ import pytest
 
 import jshard
 from conftest import make_mesh
-from jshard import (DeletedArrayError, LayoutError, Partial, PlacementError, Replicate, Shard, Spec,
-                    StridedShard)
+from jshard import DeletedArrayError, LayoutError, Partial, PlacementError, Replicate, Shard, Spec, StridedShard
 from jshard.lowering import compile_plan
 from oracle import check_darray, local_blocks
 

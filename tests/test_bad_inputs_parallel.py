@@ -17,8 +17,17 @@ import jshard
 from conftest import make_mesh
 from jshard import Replicate, Shard
 from jshard.gpt import GPT, plan, summed_terms
-from jshard.parallel import (ColwiseParallel, DataParallel, FullyShard, RowwiseParallel, SequenceParallel,
-                             TrainStep, init_optimizer, parallelize, placements_of)
+from jshard.parallel import (
+    ColwiseParallel,
+    DataParallel,
+    FullyShard,
+    RowwiseParallel,
+    SequenceParallel,
+    TrainStep,
+    init_optimizer,
+    parallelize,
+    placements_of,
+)
 from jshard.validate.tolerance import assert_close, curve_ratio
 
 R = Replicate()

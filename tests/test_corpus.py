@@ -1,8 +1,8 @@
 """The engine's corpus: plain-JAX programs at global shapes through ``jshard.jit`` against single device.
 
 Nine programs (MLP, causal multi-head attention, LayerNorm + RMSNorm, embedding + cross-entropy, a scan
-RNN, a scan whose carry is uneven (4 rows over 8 devices), a while loop, a cond, dropout) run on the meshes (8,), (2, 4) and (2, 2, 2) under three placement
-sets each:
+RNN, a scan whose carry is uneven (4 rows over 8 devices), a while loop, a cond, dropout) run on the meshes
+(8,), (2, 4) and (2, 2, 2) under three placement sets each:
 
 - ``dp``: the batch ``Shard``-ed over the data axes (every axis but the last; on (2, 2, 2) one dim over
   two axes), parameters ``Replicate``;

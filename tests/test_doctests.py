@@ -8,7 +8,8 @@ import pytest
 
 import jshard
 
-MODULES = sorted(m.name for m in pkgutil.walk_packages(jshard.__path__, "jshard.") if m.name not in ("jshard.demo", "jshard.tour"))
+MODULES = sorted(m.name for m in pkgutil.walk_packages(jshard.__path__, "jshard.")
+                 if m.name not in ("jshard.demo", "jshard.tour"))
 
 
 @pytest.mark.parametrize("name", ["jshard", *MODULES])

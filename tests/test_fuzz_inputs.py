@@ -14,10 +14,11 @@ Two properties, checked with hypothesis over the test meshes (8, 2x4, 4x2, 2x2x2
 
 from __future__ import annotations
 
-import numpy as np
-from hypothesis import HealthCheck, given, settings, strategies as st
-
 import jax.numpy as jnp
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 import jshard
 from conftest import make_mesh
 from jshard import Partial, Replicate, Shard, Spec, StridedShard

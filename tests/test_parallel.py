@@ -12,11 +12,18 @@ from flax import nnx
 import jshard
 from conftest import make_mesh
 from jshard import Replicate, Shard
+from jshard.gpt import GPT, cross_entropy, plan, summed_terms
+from jshard.parallel import (
+    ColwiseParallel,
+    FullyShard,
+    RowwiseParallel,
+    TrainStep,
+    init_optimizer,
+    parallelize,
+    placements_of,
+)
 from jshard.validate.tolerance import curve_ratio
 from oracle import assert_close
-from jshard.gpt import GPT, cross_entropy, plan, summed_terms
-from jshard.parallel import (ColwiseParallel, FullyShard, RowwiseParallel, TrainStep,
-                             init_optimizer, parallelize, placements_of)
 
 R = Replicate()
 V, D, H, L, T, B = 48, 16, 4, 2, 8, 4  # heads divisible by tp=4: attention stays head-parallel
@@ -54,7 +61,8 @@ def test_styles_place_parameters_per_mesh_axis():
     assert blk.o.bias.get_value().placements == (Shard(0), R)  # added once, after the reduction
     assert blk.ln1.scale.get_value().placements == (Shard(0), R)
     assert model.head.kernel.get_value().placements == (Shard(0), Shard(1))
-    np.testing.assert_array_equal(np.asarray(blk.q.kernel.get_value().full()), np.asarray(gpt().blocks[0].q.kernel[...]))
+    want = np.asarray(gpt().blocks[0].q.kernel[...])
+    np.testing.assert_array_equal(np.asarray(blk.q.kernel.get_value().full()), want)
     flat = jax.tree.leaves(placements_of(nnx.state(model)), is_leaf=lambda a: isinstance(a, tuple))
     assert len(flat) == len(jax.tree.leaves(nnx.state(gpt())))  # every parameter is a DArray
 
@@ -243,8 +251,8 @@ def test_vocabulary_parallel_embedding_looks_up_locally_and_reduces_once():
     loss = jshard.jit(loss_fn, out_placements=(R, R))(model, *args)
     assert_close(loss.full(), loss_fn(gpt(), ids, labels), n=N)
     grads = jshard.jit(nnx.grad(loss_fn))(model, *args)
-    assert_close(grads.tok.embedding.get_value().full(), nnx.grad(loss_fn)(gpt(), ids, labels).tok.embedding.get_value(),
-                 n=N)
+    want = nnx.grad(loss_fn)(gpt(), ids, labels).tok.embedding.get_value()
+    assert_close(grads.tok.embedding.get_value().full(), want, n=N)
 
 
 def test_loss_parallel_cross_entropy_never_gathers_the_logits():

@@ -15,7 +15,7 @@ import jshard.validate.samples
 from conftest import make_mesh
 from jshard import Partial, Replicate, Shard, Spec, StridedShard, distribute
 from jshard.darray import DArray
-from jshard.lowering import local_equation
+from jshard.engine import local_equation
 from jshard.propagate import select
 from jshard.validate.core import collect, validate
 from oracle import check_darray

@@ -15,7 +15,7 @@ import jshard
 from conftest import make_mesh
 from jshard import Partial, Replicate, Shard, Spec, StridedShard
 from jshard.darray import DArray
-from jshard.lowering import local_equation
+from jshard.engine import local_equation
 from jshard.propagate import select
 from jshard.rules.shapes import _blocks_reshape, unit_presence
 from jshard.validate.core import _walk, collect, run_equation, validate

@@ -3,8 +3,10 @@ import itertools
 import jax
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
-from jax.sharding import NamedSharding, PartitionSpec as P
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from conftest import make_mesh
 from jshard import LayoutError, Partial, PlacementError, Replicate, Shard, Spec, StridedShard

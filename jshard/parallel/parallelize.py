@@ -29,6 +29,7 @@ model changes, so a mistake raises with the model untouched.
 from __future__ import annotations
 
 import fnmatch
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -36,9 +37,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.extend import source_info_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..api import constrain, jit
+from ..arguments import is_darray
 from ..caches import memo
 from ..darray import DArray, distribute
 from ..placements import Placement, Replicate
@@ -46,6 +49,9 @@ from ..spec import Spec, format_mesh
 from .styles import ParallelStyle
 
 __all__ = ["parallelize", "placements_of"]
+
+# equations are attributed to the user's line: jshard's own wrappers are not it
+source_info_util.register_exclusion(os.path.abspath(__file__))
 
 
 def parallelize(model: nnx.Module, mesh: Mesh,
@@ -63,11 +69,11 @@ def parallelize(model: nnx.Module, mesh: Mesh,
     the model changes, so a call that raises leaves the model as it was.
     """
     if not isinstance(model, nnx.Module):
-        raise TypeError(f"parallelize: model must be a Flax nnx.Module, got {_kind(model)}; a pytree of arrays is "
+        raise TypeError(f"parallelize: model must be a Flax nnx.Module, got {kind_of(model)}; a pytree of arrays is "
                         "placed with jshard.distribute(x, mesh, placements) instead")
     if not isinstance(mesh, Mesh):
         raise TypeError(f"parallelize: mesh must be a jax.sharding.Mesh (say jax.make_mesh((2, 4), ('dp', 'tp'))), "
-                        f"got {_kind(mesh)}")
+                        f"got {kind_of(mesh)}")
     plan = _plan(plan)
     default = _styles(default, "default=")
     rules = _rules(rules, mesh)
@@ -129,18 +135,18 @@ def placements_of(tree: Any) -> Any:
 
     A tree with leaves but no DArray among them is refused: asking where an unparallelized model's parameters
     live has no answer worth a tree of Nones."""
-    if jax.tree.leaves(tree) and not _holds_darray(tree):
-        raise ValueError(f"placements_of: {_kind(tree)} holds no DArray; pass DArrays or a parallelized model's "
+    if jax.tree.leaves(tree) and not holds_darray(tree):
+        raise ValueError(f"placements_of: {kind_of(tree)} holds no DArray; pass DArrays or a parallelized model's "
                          "state, nnx.state(parallelize(model, mesh, plan))")
-    return jax.tree.map(lambda a: a.placements if isinstance(a, DArray) else None, tree, is_leaf=_is_darray)
+    return jax.tree.map(lambda a: a.placements if isinstance(a, DArray) else None, tree, is_leaf=is_darray)
 
 
-def _holds_darray(tree: Any) -> bool:
+def holds_darray(tree: Any) -> bool:
     """Whether any leaf of ``tree`` is a DArray (parallelized parameters, optimizer state)."""
-    return any(map(_is_darray, jax.tree.leaves(tree, is_leaf=_is_darray)))
+    return any(map(is_darray, jax.tree.leaves(tree, is_leaf=is_darray)))
 
 
-def _kind(x: Any) -> str:
+def kind_of(x: Any) -> str:
     """How an error message names a wrong argument: its type, and its value when that is short."""
     return f"{type(x).__name__} {x!r}" if isinstance(x, (str, int, float)) else type(x).__name__
 
@@ -150,7 +156,7 @@ def _plan(plan: Any) -> dict[str, tuple[ParallelStyle, ...]]:
         return {}
     if not isinstance(plan, Mapping):
         raise TypeError(f"parallelize: plan must be a mapping {{module path pattern: style or [styles]}}, such as "
-                        f"{{'blocks/*/q': ColwiseParallel('tp')}}, got {_kind(plan)}")
+                        f"{{'blocks/*/q': ColwiseParallel('tp')}}, got {kind_of(plan)}")
     for pattern in plan:
         if not isinstance(pattern, str):
             raise TypeError(f"parallelize: plan key {pattern!r} ({type(pattern).__name__}) is not a module path "
@@ -183,7 +189,7 @@ def _rules(rules: Any, mesh: Mesh) -> dict[str, Any]:
     how = "rules= takes (logical name, mesh axis) pairs, e.g. [('embed', 'dp'), ('mlp', 'tp')]"
     pairs = list(rules.items()) if isinstance(rules, Mapping) else rules
     if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Iterable):
-        raise TypeError(f"parallelize: {how}; got {_kind(rules)}")
+        raise TypeError(f"parallelize: {how}; got {kind_of(rules)}")
     table: dict[str, Any] = {}
     for pair in pairs:
         if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str)):
@@ -265,13 +271,9 @@ def _constrained(cls: type, io: tuple, gather: tuple) -> type:
     return sub
 
 
-def _is_darray(a: Any) -> bool:
-    return isinstance(a, DArray)
-
-
 def _outside_jit(module: nnx.Module, args: tuple, kwargs: dict) -> bool:
     """Whether a module call sees DArrays (it runs eagerly) rather than the tracers ``jshard.jit`` gives it."""
-    leaves = jax.tree.leaves((module, args, kwargs), is_leaf=_is_darray)
+    leaves = jax.tree.leaves((module, args, kwargs), is_leaf=is_darray)
     if not any(isinstance(a, DArray) for a in leaves):
         return False
     if any(isinstance(a, jax.core.Tracer) for a in leaves):
@@ -297,7 +299,7 @@ _EAGER = jit(_call, static_argnums=1)  # one program per model structure, argume
 def _eagerly(module: nnx.Module, args: tuple, kwargs: dict) -> Any:
     """Run an eager call of a parallelized module as one ``jshard.jit`` program (cached): array arguments are
     traced, everything else (flags like ``deterministic=True``, sizes) is static as in an eager Flax call."""
-    leaves, tree = jax.tree.flatten((args, kwargs), is_leaf=_is_darray)
+    leaves, tree = jax.tree.flatten((args, kwargs), is_leaf=is_darray)
     is_array = [isinstance(a, (DArray, jax.Array, np.ndarray, np.generic)) for a in leaves]
     static = (tree, tuple(_ARRAY if arr else a for a, arr in zip(leaves, is_array)))
     out, state = _EAGER(module, static, *[a for a, arr in zip(leaves, is_array) if arr])

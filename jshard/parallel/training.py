@@ -35,10 +35,12 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from ..api import Explanation, constrain, jit, same_as
+from ..api import constrain, jit, same_as
+from ..arguments import is_darray
 from ..darray import DArray
+from ..explanation import Explanation
 from ..placements import Replicate
-from .parallelize import _holds_darray, _is_darray, _kind, placements_of
+from .parallelize import holds_darray, kind_of, placements_of
 
 __all__ = ["TrainStep", "init_optimizer"]
 
@@ -50,8 +52,8 @@ def init_optimizer(tx: optax.GradientTransformation, params: Any) -> Any:
     if isinstance(params, nnx.Module):
         raise TypeError("init_optimizer: params is a whole nnx.Module; pass its parameters, "
                         "nnx.state(model, nnx.Param)")
-    if not _holds_darray(params):
-        raise ValueError(f"init_optimizer: params ({_kind(params)}) hold no DArray; pass the parameters of a "
+    if not holds_darray(params):
+        raise ValueError(f"init_optimizer: params ({kind_of(params)}) hold no DArray; pass the parameters of a "
                          "parallelized model, nnx.state(parallelize(model, mesh, plan), nnx.Param)")
     return jit(tx.init, out_placements=_mirror(tx.init, params))(params)
 
@@ -67,7 +69,7 @@ class TrainStep:
                  donate: bool = True):
         if not isinstance(model, nnx.Module):
             raise TypeError("TrainStep: model must be a Flax nnx.Module made parallel by jshard.parallel.parallelize, "
-                            f"got {_kind(model)}")
+                            f"got {kind_of(model)}")
         _check_tx(tx, "TrainStep")
         if not callable(loss_fn):
             raise TypeError(f"TrainStep: loss_fn must be a function loss_fn(model, *batch) -> scalar loss, got "
@@ -75,7 +77,7 @@ class TrainStep:
         if not isinstance(donate, bool):
             raise TypeError(f"TrainStep: donate must be True or False, got {donate!r}")
         self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
-        if not _holds_darray(self.params):
+        if not holds_darray(self.params):
             raise ValueError(f"TrainStep: the parameters of {type(model).__name__} are not DArrays: the model was not "
                              "parallelized; call jshard.parallel.parallelize(model, mesh, plan) first")
         self.opt_state = init_optimizer(tx, self.params)
@@ -99,7 +101,7 @@ class TrainStep:
             updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, rest, loss
 
-        mesh_rank = next(filter(_is_darray, jax.tree.leaves(self.params, is_leaf=_is_darray))).mesh.devices.ndim
+        mesh_rank = next(filter(is_darray, jax.tree.leaves(self.params, is_leaf=is_darray))).mesh.devices.ndim
         self._step = jit(step, out_placements=(same_as(0), same_as(1), None, (Replicate(),) * mesh_rank),
                          donate_argnums=(0, 1) if donate else ())
 
@@ -124,7 +126,7 @@ def _check_tx(tx: Any, where: str) -> None:
     # optax.adamw rather than optax.adamw(1e-3): the factory, not the transformation
     fix = f"; call it: {tx.__name__}(learning_rate)" if callable(tx) and hasattr(tx, "__name__") else ""
     raise TypeError(f"{where}: tx must be an optax.GradientTransformation (say optax.adamw(1e-3)), got "
-                    f"{_kind(tx)}{fix}")
+                    f"{kind_of(tx)}{fix}")
 
 
 def _check_loss(loss: Any, loss_fn: Callable) -> None:
@@ -138,7 +140,7 @@ def _check_loss(loss: Any, loss_fn: Callable) -> None:
 
 def _mirror(init: Callable, params: Any) -> Any:
     """Output pins for ``init(params)``: subtrees with the structure of ``params`` take their placements."""
-    avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params, is_leaf=_is_darray)
+    avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params, is_leaf=is_darray)
     shapes = jax.eval_shape(init, avals)
     structure = jax.tree.structure(avals)
     placements = jax.tree.leaves(placements_of(params), is_leaf=lambda p: isinstance(p, tuple))

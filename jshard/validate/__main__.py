@@ -32,8 +32,8 @@ def main(argv=None) -> int:
 
     import jax
 
-    from .core import collect, validate
     from ..rules import registered
+    from .core import collect, validate
 
     if len(jax.devices()) < 4:
         jax.config.update("jax_platforms", "cpu")
@@ -56,7 +56,8 @@ def main(argv=None) -> int:
         total = [total[0] + r.correct, total[1] + r.incorrect, total[2] + r.missing, total[3] + r.seconds]
         rows.append(dict(primitive=name, correct=r.correct, incorrect=r.incorrect, missing=r.missing,
                          seconds=round(r.seconds, 2), errors=r.errors,
-                         incorrect_cases=[k for k, _ in r.incorrect_cases], missing_cases=[k for k, _ in r.missing_cases]))
+                         incorrect_cases=[k for k, _ in r.incorrect_cases],
+                         missing_cases=[k for k, _ in r.missing_cases]))
         if args.incorrect_only and not r.incorrect:
             continue
         print(f"{name:28} {r.correct:8d} {r.incorrect:9d} {r.missing:8d} {r.seconds:7.1f}s")

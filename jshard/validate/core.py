@@ -4,7 +4,7 @@ For a primitive, each sample equation (params and concrete inputs, from ``sample
 device: that is the truth. Then, on meshes of 2, 3 and 4 devices, every combination of input placements
 (``R``, ``S(d)``, ``P(sum|avg|max|min)``) is built from unequal parts (shards padded with NaN or a
 sentinel, Partials split into unequal pieces, max/min with a random winner per element), the equation's
-per-device function (``jshard.lowering.local_equation``) runs on every device, and every output
+per-device function (``jshard.engine.local_equation``) runs on every device, and every output
 placement is tested against the truth:
 
 - **correct**: the rules offer it and it holds;
@@ -30,8 +30,8 @@ import numpy as np
 from jax.extend import core as jc
 from jax.sharding import Mesh
 
+from ..engine import local_equation
 from ..placements import REDUCE_OPS, Partial, Placement, Replicate, Shard
-from ..lowering import local_equation
 from ..propagate import offered, params_key
 from ..rules.registry import registered, rule_for
 from ..spec import Spec

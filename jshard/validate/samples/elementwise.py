@@ -1,8 +1,8 @@
 """Elementwise programs: every unary / binary / n-ary lax primitive, with Replicate scalars mixed in."""
 
 import jax
-import jax.scipy.special
 import jax.numpy as jnp
+import jax.scipy.special
 import numpy as np
 from jax import lax
 from jax.extend.core.primitives import copy_p
@@ -28,7 +28,8 @@ PROGRAMS = []
 for s in _SHAPES:
     x, y, p = arr(s), arr(s, salt=1), arr(s, positive=True)
     PROGRAMS += [(f, (x,)) for f in _UNARY]
-    PROGRAMS += [(lax.is_finite, (np.where(x > 3, np.inf, np.where(x < -4, np.nan, x)).astype(np.float32),))] + [(f, (p,)) for f in _POSITIVE + [lax.log, lax.sqrt]]
+    special = np.where(x > 3, np.inf, np.where(x < -4, np.nan, x)).astype(np.float32)
+    PROGRAMS += [(lax.is_finite, (special,))] + [(f, (p,)) for f in _POSITIVE + [lax.log, lax.sqrt]]
     PROGRAMS += [(f, (x, y)) for f in _BINARY]
     PROGRAMS += [(lax.bessel_i0e, (x,)), (lax.bessel_i1e, (x,)), (lambda a: lax.conj(lax.complex(a, a * 2.0)), (x,)),
                  (lambda a: copy_p.bind(a), (x,))]

@@ -84,7 +84,8 @@ PROGRAMS += [
     (lambda a, i: lax.dynamic_slice(a, (i, 0, 0), (1, 3, 4)), (arr((5, 3, 4)), _I)),
     (lambda a, u, i: lax.dynamic_update_slice_in_dim(a, u, i, 0), (arr((5, 3)), arr((2, 3), salt=1), _I)),
     (lambda a, u, i, j: lax.dynamic_update_slice(a, u, (i, j)), (arr((5, 3)), arr((2, 2), salt=1), _I, _J)),
-    (lambda a, u, i: lax.dynamic_update_slice_in_dim(a, u, i, 1), (arr((4, 6), "int32"), arr((4, 2), "int32", salt=1), _J)),
+    (lambda a, u, i: lax.dynamic_update_slice_in_dim(a, u, i, 1),
+     (arr((4, 6), "int32"), arr((4, 2), "int32", salt=1), _J)),
     (lambda a, u, i: lax.dynamic_update_slice_in_dim(a, u, i, 0), (arr((5, 1, 3)), arr((1, 1, 3), salt=1), _I)),
     (lambda a, u, i: lax.dynamic_update_slice_in_dim(a, u, i, 0), (arr((6, 1, 4)), arr((2, 1, 4), salt=1), _J + 2)),
 ]

@@ -1,0 +1,157 @@
+"""Tracing a function to a plan, and compiling the plan as one ``shard_map`` program over block storage.
+
+``trace`` runs the function at global shapes (``jax.make_jaxpr``) and plans its jaxpr; ``compile_program``
+turns the plan's per-device function into ``jax.jit(jax.shard_map(...))`` over block arrays (every device
+holds exactly its block) and returns a ``Program``, whose ``run(blocks)`` is the steady-state call: it checks
+that no input was deleted or is donated twice (XLA would kill the process), runs, and returns the output
+blocks (``out_specs`` say what they mean).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import source_info_util
+from jax.sharding import Mesh, PartitionSpec
+
+from ..darray import DeletedArrayError, donation_of, donation_slot
+from ..spec import Spec
+from .kernel import communicates, local_function
+from .walk import JaxprPlan, plan_jaxpr
+
+__all__ = ["CPU_IN_FLIGHT", "TRACED_DARRAY", "Program", "Traced", "compile_program", "trace"]
+
+# equations are attributed to the user's line: the wrapper that calls the user's function is not it
+source_info_util.register_exclusion(os.path.abspath(__file__))
+
+CPU_IN_FLIGHT = 4  # collective programs queued at once on XLA:CPU (see Program)
+
+TRACED_DARRAY = ("jshard.jit: {what}: a DArray reached a JAX transformation (jax.jit, lax.scan, jax.grad, ...) "
+                 "or was closed over by a jshard.jit function. DArrays run through jshard.jit as arguments: wrap "
+                 "the whole computation in jshard.jit and pass every DArray it uses as an argument")
+
+
+@dataclass
+class Traced:
+    """A traced and planned function."""
+
+    out_tree: Any  # the tree structure of its outputs
+    plan: JaxprPlan
+    pins: list  # per output: the spec it is moved to, or None
+
+    @property
+    def out_specs(self) -> list[Spec]:
+        return [p or s for s, p in zip(self.plan.out_specs, self.pins)]
+
+
+def trace(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, pins: Callable[[Any, int], list],
+          weak: list[bool] | None = None, name: str = "") -> Traced:
+    """Trace ``fn`` (called with the leaves unflattened by ``treedef``) at global shapes and plan it; ``weak``
+    marks Python scalars, which JAX types weakly (``x * 2.0`` keeps ``x``'s dtype). ``pins(out_tree, n_out)``
+    gives per output the placements it is pinned to, or None; ``name`` is the function's, for errors."""
+    weak = weak or [False] * len(specs)
+    avals = [jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=w) for s, w in zip(specs, weak)]
+
+    def traced(*leaves):
+        out = fn(*jax.tree.unflatten(treedef, leaves))
+        bad = [(jax.tree_util.keystr(p), v) for p, v in jax.tree_util.tree_flatten_with_path(out)[0]
+               if not isinstance(v, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))]
+        if bad:
+            raise TypeError(f"jshard.jit: {name or 'the function'} returned a {type(bad[0][1]).__name__} "
+                            f"({bad[0][1]!r:.40}) at output{bad[0][0] or ''}; a jshard.jit function returns arrays "
+                            "(or pytrees of arrays)")
+        return out
+
+    closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(*avals)
+    out_tree = jax.tree.structure(out_shape)
+    plan = plan_jaxpr(closed, specs, mesh)
+    pinned = [None if pin is None else plan.out_specs[i].with_placements(pin, where=f"out_placements (output {i})")
+              for i, pin in enumerate(pins(out_tree, len(plan.outs)))]
+    return Traced(out_tree, plan, pinned)
+
+
+class Program:
+    """A compiled traced function over block storage: ``run(blocks)`` gives the output blocks, laid out as
+    ``out_specs`` (``out_tree`` rebuilds the outputs' structure); ``jitted`` is the ``jax.jit`` program.
+
+    XLA:CPU runs every device's part of a program on one shared thread pool: with many collective programs
+    queued, parts of one program can wait on each other until the rendezvous aborts the process. There,
+    programs that communicate return a completion token (never donated) and at most ``CPU_IN_FLIGHT`` of them
+    are queued."""
+
+    def __init__(self, traced: Traced, specs: list[Spec], mesh: Mesh, donated: tuple[int, ...] = (), *,
+                 name: str = "", where: Callable[[int], str] = str):
+        self.out_specs, self.out_tree = traced.out_specs, traced.out_tree
+        self.single = self.out_tree == jax.tree.structure(0)  # one array out: no tree to rebuild
+        self._specs, self._name, self._where = specs, name, where
+        self._donated, self._donated_set = donated, frozenset(donated)
+        self._slot = donation_slot(lambda i: where(i) + " (jshard.jit donate_argnums)") if donated else None
+        run = local_function(traced.plan, traced.pins)
+        k = mesh.devices.ndim
+        self._bounded = mesh.devices.flat[0].platform == "cpu" and communicates(traced.plan, traced.pins)
+        self._in_flight: collections.deque = collections.deque()
+
+        def body(*blocks):
+            results = run(*[b.reshape(b.shape[k:]) for b in blocks])
+            token = [jnp.zeros((), jnp.bool_)] if self._bounded else []
+            return [r.reshape((1,) * k + r.shape) for r in results + token]
+
+        block = PartitionSpec(*mesh.axis_names)
+        self.jitted = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(block,) * len(specs),
+                                            out_specs=[block] * (len(self.out_specs) + self._bounded),
+                                            check_vma=False), donate_argnums=donated)
+
+    def run(self, blocks: list) -> list:
+        """The output blocks of a call on input ``blocks``."""
+        # XLA kills the process on a deleted or twice-donated buffer: check first (microseconds per call)
+        try:
+            deleted = any([b.is_deleted() for b in blocks])
+        except (AttributeError, jax.errors.ConcretizationTypeError):  # a DArray unflattened inside jax.jit, ...
+            what = f"{self._name} got DArrays whose blocks are JAX tracers"
+            raise TypeError(TRACED_DARRAY.format(what=what)) from None
+        if deleted:
+            self._refuse_deleted(blocks)
+        if self._donated:
+            if len({id(b) for b in blocks}) < len(blocks):
+                self._refuse_shared_donation(blocks)
+            self._slot.blocks = blocks
+        out = self.jitted(*blocks)
+        if self._bounded:
+            self._in_flight.append(out.pop())
+            if len(self._in_flight) > CPU_IN_FLIGHT:
+                self._in_flight.popleft().block_until_ready()
+        return out
+
+    def _refuse_deleted(self, blocks: list) -> None:
+        i = next(i for i, b in enumerate(blocks) if b.is_deleted())
+        went = donation_of(blocks[i])
+        raise DeletedArrayError(f"jshard.jit: {self._where(i)} ({self._specs[i]}) has been deleted"
+                                + (f": it was donated to {went}" if went else "")
+                                + "; its storage belongs to that call's outputs: pass them instead")
+
+    def _refuse_shared_donation(self, blocks: list) -> None:
+        """Raise where one array is donated and also passed again (donated twice, or donated and kept)."""
+        first: dict = {}
+        for i, b in enumerate(blocks):
+            j = first.setdefault(id(b), i)
+            if j != i and (i in self._donated_set or j in self._donated_set):
+                both = i in self._donated_set and j in self._donated_set
+                raise ValueError(f"jshard.jit: {self._where(j)} and {self._where(i)} are the same array, and "
+                                 f"{'both are' if both else 'one is'} donated: donated storage is handed to the "
+                                 "outputs, so it cannot also be read; pass a copy (x.redistribute(x.placements) "
+                                 "after jshard.jit, or jnp.copy) or donate neither")
+
+
+def compile_program(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, pins: Callable[[Any, int], list],
+                    donated: tuple[int, ...] = (), weak: list[bool] | None = None, *, name: str = "",
+                    where: Callable[[int], str] = str) -> Program:
+    """``trace`` and compile: the ``Program`` of ``fn`` for inputs with ``specs``; ``name`` and ``where(leaf)``
+    (the user's name for an input leaf) make a call's errors name the function and the argument."""
+    return Program(trace(fn, treedef, specs, mesh, pins, weak, name), specs, mesh, donated, name=name, where=where)

@@ -1,0 +1,268 @@
+"""Walking a jaxpr: every equation's strategy, then the moves between equations, as data.
+
+``plan_jaxpr(closed, specs, mesh)`` walks the equations forwards from the inputs' specs, choosing each one's
+cheapest correct strategy (``jshard.propagate.select``). Calls (``jit``, ``custom_jvp_call``, ``remat``, ...)
+are followed inline; control flow (registered with ``@control(name)``, see ``jshard.engine.control``) walks its
+bodies as plans of their own. A second pass looks back from the consumers: where every consumer of a value
+moves it to one spec, its producer is asked to produce that spec directly when that costs no collective.
+Then each operand's move is planned (``jshard.planner``), dead equations are dropped, and a value moved to the
+same spec for several consumers moves once.
+
+The result is a ``JaxprPlan``: per equation (``EquationPlan``) the operands with their moves, the chosen
+strategy and, for control flow, the local loop or switch. ``jshard.engine.kernel`` turns it into code.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.extend import core as jc
+from jax.extend.source_info_util import summarize
+from jax.sharding import Mesh
+
+from ..placements import Replicate
+from ..planner import Plan, plan_redistribute
+from ..propagate import Choice, select
+from ..rules.registry import has_rule, rule_for
+from ..spec import Spec
+from .constrain import constrain_p, constrain_target
+
+__all__ = ["CALLS", "EquationPlan", "JaxprPlan", "Operand", "REUSED", "Value", "control", "move_cost", "plan_jaxpr",
+           "replicated"]
+
+# calls whose body runs as it is: followed inline (autodiff already happened when the jaxpr was traced)
+CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
+         "custom_vjp_call": "call_jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr"}
+
+
+class Value:
+    """A value of the walked program. Inlined jaxprs are walked once per call site and share their Var objects
+    (a cached inner jaxpr), so values are named by fresh ``Value`` objects, never by Vars."""
+
+    __slots__ = ()
+
+
+class _Reused:
+    """The move of an operand that an earlier consumer already moved to the same spec."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "REUSED"
+
+
+REUSED = _Reused()
+
+
+class Operand(NamedTuple):
+    """One input of a planned equation."""
+
+    literal: bool  # a constant of the jaxpr, held in ``value``; else ``value`` is a Value of the program
+    value: Any  # the Value, or the literal's numpy (or PRNG key) value
+    move: Plan | _Reused | None = None  # to the spec the equation runs with: a plan, REUSED, or None (it is there)
+
+
+@dataclass
+class EquationPlan:
+    """One equation of a ``JaxprPlan``: what runs, on what, with which moves."""
+
+    eqn: jc.JaxprEqn
+    operands: list[Operand]  # moves are set once the consumers have had their say
+    choice: Choice  # the specs its inputs run with and its outputs come out with, and the cost
+    kernel: Callable | None = None  # control flow: the local loop / switch over the bodies' local functions
+    outs: list | None = None  # per output: a fresh Value (None: dropped)
+    bodies: tuple = ()  # control flow: (label, JaxprPlan, pins) per body, for explain
+    site: Any = None  # the source of the innermost call with a user frame (a library jit's body has none)
+    consts: list | None = None  # per input: its value when a literal (for re-selection)
+
+    @property
+    def source(self) -> str:
+        """The user's line that made this equation."""
+        return summarize(self.eqn.source_info) or (summarize(self.site) if self.site is not None else "")
+
+
+@dataclass
+class JaxprPlan:
+    """A walked jaxpr: its input vars, the equations that stay live, its outputs and their specs."""
+
+    in_vars: list
+    equations: list[EquationPlan]
+    outs: list  # per output: a Value, or a jc.Literal (a constant output)
+    out_specs: list[Spec]
+
+    @property
+    def cost(self) -> float:
+        """Estimated µs of communication (loops weighted by their trip counts)."""
+        return sum(eq.choice.cost for eq in self.equations)
+
+
+# control flow: name -> walk(eqn, specs, mesh) -> (Choice, local kernel, bodies); see jshard.engine.control
+_CONTROL: dict[str, Callable] = {}
+
+
+def control(name: str) -> Callable[[Callable], Callable]:
+    """Register how the walk plans the control-flow primitive ``name`` (its bodies are plans of their own)."""
+
+    def register(walk: Callable) -> Callable:
+        _CONTROL[name] = walk
+        return walk
+
+    return register
+
+
+def plan_jaxpr(closed: jc.ClosedJaxpr, specs: list[Spec], mesh: Mesh) -> JaxprPlan:
+    """The plan of ``closed`` for inputs with ``specs`` on ``mesh``."""
+    env = dict(zip(closed.jaxpr.invars, specs))
+    const_vars = [jc.Literal(c, jax.typeof(c)) for c in closed.consts]
+    equations: list[EquationPlan] = []
+    outs = _walk_closed(closed.jaxpr, const_vars, list(closed.jaxpr.invars), env, equations, mesh)
+    _reseat(equations, outs, env, mesh)
+    live = {o for o in outs if not isinstance(o, jc.Literal)}  # drop dead equations (and their collectives)
+    kept = []
+    for eq in reversed(equations):
+        if eq.eqn.effects or any(o in live for o in eq.outs):
+            kept.append(eq)
+            live.update(op.value for op in eq.operands if not op.literal)
+    equations = kept[::-1]
+    seen = set()  # a value moved to the same spec for several consumers moves once
+    for eq in equations:
+        for i, (op, target) in enumerate(zip(eq.operands, eq.choice.ins)):
+            if isinstance(op.move, Plan) and not op.literal:
+                if (op.value, target) in seen:
+                    eq.operands[i] = op._replace(move=REUSED)
+                seen.add((op.value, target))
+    out_specs = [replicated(mesh, np.shape(o.val), o.aval.dtype) if isinstance(o, jc.Literal) else env[o]
+                 for o in outs]  # a constant output is replicated: every device holds it whole
+    return JaxprPlan(list(closed.jaxpr.invars), equations, outs, out_specs)
+
+
+def replicated(mesh: Mesh, shape, dtype) -> Spec:
+    """The spec of a value every device holds whole (a literal, a constant output)."""
+    return Spec(mesh, (Replicate(),) * mesh.devices.ndim, tuple(shape), dtype)
+
+
+def move_cost(src: list[Spec], dst: list[Spec]) -> float:
+    """Estimated µs of moving values with specs ``src`` to ``dst`` (inf where no plan gets there)."""
+    total = 0.0
+    for s, t in zip(src, dst):
+        if s != t:
+            try:
+                total += plan_redistribute(s, t.placements).cost
+            except ValueError:  # no way there (a Partial of another kind): never chosen
+                return math.inf
+    return total
+
+
+# ---------------------------------------------------------------------------------------------------
+# internals
+
+
+def _walk(jaxpr: jc.Jaxpr, in_vars: list, env: dict, equations: list, mesh: Mesh, site=None) -> list:
+    """Choose strategies through ``jaxpr`` whose invars are bound to ``in_vars`` (outer values or literals);
+    ``site`` is the source info of the call being inlined."""
+    alias: dict = dict(zip(jaxpr.invars, in_vars))
+
+    def outer(v):
+        return v if isinstance(v, jc.Literal) else alias[v]
+
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        sub = CALLS.get(name)
+        if sub is not None and sub in eqn.params:
+            inner = eqn.params[sub]
+            inner_jaxpr = inner.jaxpr if isinstance(inner, jc.ClosedJaxpr) else inner
+            consts = list(inner.consts) if isinstance(inner, jc.ClosedJaxpr) else []
+            const_vars = [jc.Literal(c, jax.typeof(c)) for c in consts]
+            here = eqn.source_info if summarize(eqn.source_info) else site
+            outs = _walk_closed(inner_jaxpr, const_vars, [outer(v) for v in eqn.invars], env, equations, mesh, here)
+            for o, r in zip(eqn.outvars, outs):
+                if not isinstance(o, jc.DropVar):
+                    alias[o] = r
+            continue
+        operands, specs, consts = [], [], []
+        for v in map(outer, eqn.invars):
+            if isinstance(v, jc.Literal):
+                is_key = jax.dtypes.issubdtype(getattr(v.val, "dtype", np.float32), jax.dtypes.extended)
+                val = v.val if is_key else np.asarray(v.val, dtype=v.aval.dtype)  # PRNG keys stay keys
+                specs.append(replicated(mesh, val.shape, val.dtype))
+                consts.append(None if is_key else val)
+                operands.append(Operand(True, val))
+            else:
+                specs.append(env[v])
+                consts.append(None)
+                operands.append(Operand(False, v))
+        kernel, bodies = None, ()
+        if eqn.primitive is constrain_p:
+            target = constrain_target(specs[0], eqn.params["placements"])
+            choice = Choice((target,), (target,), 0.0, None)
+        elif name in _CONTROL:
+            choice, kernel, bodies = _CONTROL[name](eqn, specs, mesh)
+        else:
+            if not has_rule(eqn.primitive):  # the warning names the user's line
+                rule_for(eqn.primitive, EquationPlan(eqn, [], None, site=site).source)
+            choice = select(eqn.primitive, eqn.params, specs, [o.aval for o in eqn.outvars], consts=consts, mesh=mesh)
+        equations.append(EquationPlan(eqn, operands, choice, kernel, bodies=bodies, site=site, consts=consts))
+        values = []
+        for o, s in zip(eqn.outvars, choice.outs):
+            if isinstance(o, jc.DropVar):
+                values.append(None)
+            else:
+                values.append(Value())
+                alias[o] = values[-1]
+                env[values[-1]] = s
+        equations[-1].outs = values
+    return [outer(v) for v in jaxpr.outvars]
+
+
+def _walk_closed(jaxpr, const_vars, args, env, equations, mesh, site=None):
+    return _walk(jaxpr.replace(invars=list(jaxpr.constvars) + list(jaxpr.invars), constvars=[]),
+                 list(const_vars) + list(args), env, equations, mesh, site)
+
+
+def _reseat(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh) -> None:
+    """The walk chooses forwards, from the inputs' placements; this pass looks back from the consumers. Where
+    every consumer of a value moves it to one spec, the producer is asked to produce that spec directly,
+    and does so when that needs no collective of its own (its inputs only slice): a dropout mask drawn
+    only where the activations are, not drawn whole and sliced. Producers are visited last-first, so a
+    re-seated equation's own input slices become demands on the equations before it."""
+    uses: dict = {}
+    for eq in equations:
+        for i, op in enumerate(eq.operands):
+            if not op.literal:
+                uses.setdefault(op.value, []).append((eq, i))
+    returned = {o for o in outs if not isinstance(o, jc.Literal)}
+    for eq in reversed(equations):
+        if eq.kernel is not None or eq.eqn.primitive is constrain_p:
+            continue
+        want = []
+        for o in eq.outs:
+            targets = {u.choice.ins[i] for u, i in uses.get(o, ())}
+            only = targets.pop() if len(targets) == 1 else None
+            want.append(only if o is not None and o not in returned and only is not None and only != env[o] else None)
+        if not any(w is not None for w in want):
+            continue
+        specs = _operand_specs(eq, env, mesh)
+        saved = sum(plan_redistribute(env[o], w.placements).cost for o, w in zip(eq.outs, want) if w is not None)
+        choice = select(eq.eqn.primitive, eq.eqn.params, specs, [o.aval for o in eq.eqn.outvars], consts=eq.consts,
+                        mesh=mesh, want=want)
+        free = all(s == t or not plan_redistribute(s, t.placements).collectives for s, t in zip(specs, choice.ins))
+        if choice.outs != eq.choice.outs and free and choice.cost <= eq.choice.cost + saved + 1e-9:
+            eq.choice = choice
+            for o, spec in zip(eq.outs, choice.outs):
+                if o is not None:
+                    env[o] = spec
+    # every move from the (possibly re-seated) producer's spec to what its consumer runs with; constants move
+    # like values (R -> P(sum) of a literal: the value on one coordinate)
+    for eq in equations:
+        eq.operands = [op._replace(move=None if s == t else plan_redistribute(s, t.placements))
+                       for op, s, t in zip(eq.operands, _operand_specs(eq, env, mesh), eq.choice.ins)]
+
+
+def _operand_specs(eq: EquationPlan, env: dict, mesh: Mesh) -> list[Spec]:
+    """The specs an equation's operands come with (a literal is replicated)."""
+    return [replicated(mesh, op.value.shape, op.value.dtype) if op.literal else env[op.value] for op in eq.operands]

@@ -1,0 +1,71 @@
+"""``Explanation``: what ``jshard.jit`` does with a function, as data and as a table (``jshard.explain``).
+
+One row per equation of the plan, loop and branch bodies listed under their loop or branch once each (as
+they appear in the compiled program), output pins and result moves last; totals per collective kind. It is
+read from the same plan the program is compiled from, so it lists exactly the program's collectives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .engine import JaxprPlan, Traced, out_moves
+from .placements import format_placements
+from .planner import Plan
+from .spec import dtype_short, format_mesh
+
+__all__ = ["Explanation", "explanation"]
+
+
+@dataclass
+class Explanation:
+    """What ``jshard.jit`` does with a function: one row per equation (primitive, the user's source line,
+    the specs its inputs run with, its output specs, the redistributions of its inputs as
+    ``(input, kind, mesh axes, bytes per device)``), the output pins, and totals per collective kind
+    (``{kind: (count, bytes)}``). ``str()`` prints it as a table."""
+
+    rows: list[dict]
+    totals: dict
+
+    def __str__(self) -> str:
+        def brief(spec):  # the mesh is printed once, in the header
+            return f"{dtype_short(spec.dtype)}[{','.join(map(str, spec.shape))}]{format_placements(spec.placements)}"
+
+        meshes = {format_mesh(s.mesh) for r in self.rows for s in r["outs"]}
+        lines = [f"jshard plan on {', '.join(sorted(meshes)) or 'no mesh'}: {len(self.rows)} equations"]
+        for n, r in enumerate(self.rows):
+            lines.append(f"{n:>4}  {r['primitive']:<28} {r['source']}")
+            lines.append(f"      {', '.join(map(brief, r['ins']))} -> {', '.join(map(brief, r['outs']))}")
+            for i, kind, axes, nbytes in r["moves"]:
+                lines.append(f"      in{i}: {kind} over ({', '.join(axes)})  {nbytes:,} B per device")
+        lines.append("totals: " + (", ".join(f"{k} x{c} ({b:,} B)" for k, (c, b) in sorted(self.totals.items()))
+                                   or "no collectives"))
+        return "\n".join(lines)
+
+
+def explanation(traced: Traced) -> Explanation:
+    """The ``Explanation`` of a traced function."""
+    rows, totals = [], {}
+
+    def moves_of(i, move):
+        out = []
+        for step in move.collectives if isinstance(move, Plan) else ():  # a reused move costs nothing
+            out.append((i, step.kind, tuple(step.axes), int(step.bytes)))
+            c, b = totals.get(step.kind, (0, 0))
+            totals[step.kind] = (c + step.count, b + int(step.bytes))
+        return out
+
+    def walk(plan: JaxprPlan, pins: list, where: str):
+        for eq in plan.equations:
+            moves = [m for i, op in enumerate(eq.operands) for m in moves_of(i, op.move)]
+            rows.append(dict(primitive=where + eq.eqn.primitive.name, source=eq.source,
+                             ins=list(eq.choice.ins), outs=list(eq.choice.outs), moves=moves))
+            for label, body, body_pins in eq.bodies:
+                walk(body, body_pins, f"{where}{eq.eqn.primitive.name} {label} | ")
+        for j, move in enumerate(out_moves(plan, pins)):
+            if move is not None and move.collectives:
+                rows.append(dict(primitive=where + ("(output pin)" if not where else "(result move)"),
+                                 source=f"output {j}", ins=[move.src], outs=[move.dst], moves=moves_of(0, move)))
+
+    walk(traced.plan, traced.pins, "")
+    return Explanation(rows, totals)
