@@ -37,7 +37,7 @@ from report import write_json  # noqa: E402
 
 R = Replicate()
 
-# PyTorch DTensor 2.13, uncached propagation on (2, 4), µs (shared/docs/anchors.md)
+# PyTorch DTensor 2.13, uncached propagation on (2, 4), µs (docs/anchors.md)
 DTENSOR_2x4 = {"matmul": 6010, "add+broadcast": 6354, "reduce_sum": 297, "astype(int32) of Partial": 1824,
                "reshape": 375, "softmax reduce_max": 273, "embedding gather": 2955}
 

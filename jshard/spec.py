@@ -157,7 +157,7 @@ def cut_order(chain: tuple[tuple[int, int], ...], mesh_shape: tuple[int, ...]) -
     """The order in which the chain's axes cut the dim, major first, or None if it is no such order.
 
     An axis whose split factor is the product of the sizes of the higher-index axes that cut before it
-    is how StridedShard spells a non-default shard order (``dtensor-semantics.md`` §1.4).
+    is how StridedShard spells a non-default shard order (``docs/dtensor-semantics.md`` §1.4).
     """
     want = dict(chain)
     for order in itertools.permutations(want):

@@ -1,4 +1,5 @@
-"""The cases of /work/shared/seeds (DTensor bugs and fixes) through ``jshard.jit``, against single device.
+"""The cases of the DTensor pull requests the project grew from (bugs and fixes) through ``jshard.jit``, against
+single device.
 
 - 000: a dtype cast of a ``Partial(sum)`` value is not linear: ``trunc(a + b) != trunc(a) + trunc(b)``.
 - 002: ``P(sum) * R`` stays ``P(sum)`` (multiplication is linear in each operand); ``P(sum) + R`` must not add
