@@ -51,6 +51,7 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax.numpy as jnp
 
@@ -101,12 +102,14 @@ class Step:
 
     def __str__(self) -> str:
         what = {"all_reduce": f"{self.op}" + (f"/{self.scale}" if self.scale != 1 else ""),
-                "reduce_scatter": f"{self.op} -> dim {self.dim}" + (f"/{self.scale}" if self.scale != 1 else ""),
+                "reduce_scatter": f"{self.op} -> dim {self.dim}"
+                                  + (f"/{self.scale}" if self.scale != 1 else ""),
                 "all_gather": f"dim {self.dim}", "all_to_all": f"dim {self.dim} -> dim {self.split_dim}",
                 "exchange": f"{self.count} ppermute rounds"}
         detail = what.get(self.kind, "")
         return (f"{self.kind}({','.join(self.axes)}{'; ' + detail if detail else ''}) "
-                f"{format_placements(self.src)} -> {format_placements(self.dst)}  {self.bytes} B  {self.cost:.1f} us")
+                f"{format_placements(self.src)} -> {format_placements(self.dst)}  "
+                f"{self.bytes} B  {self.cost:.1f} us")
 
 
 @dataclass(frozen=True)
@@ -177,8 +180,8 @@ def check_cost_model(cost_model, where: str) -> CostModel:
 @memo(65536)
 def _padded_lengths(shape: tuple[int, ...], mesh_shape: tuple[int, ...], state: tuple[Placement, ...]):
     return tuple(
-        dim_layout(n, mesh_shape, tuple((a, p.split_factor) for a, p in enumerate(state) if p.is_shard and p.dim == d)
-                   ).shape[-1]
+        dim_layout(n, mesh_shape, tuple((a, p.split_factor) for a, p in enumerate(state)
+                                        if p.is_shard and p.dim == d)).shape[-1]
         for d, n in enumerate(shape)
     )
 
@@ -189,8 +192,31 @@ def _axis_prices(model: CostModel, names, sizes):
     hop, per_byte = {}, {}
     for k in _AXIS_KINDS:
         hop[k] = [model.collective(k, (name,), n, 0, launch=False) for name, n in zip(names, sizes)]
-        per_byte[k] = [model.collective(k, (name,), n, 1, launch=False) - h for name, n, h in zip(names, sizes, hop[k])]
+        per_byte[k] = [model.collective(k, (name,), n, 1, launch=False) - h
+                       for name, n, h in zip(names, sizes, hop[k])]
     return hop, per_byte, [min(hop[k][a] for k in _AXIS_KINDS) for a in range(len(sizes))]
+
+
+class Edge(NamedTuple):
+    """One step of a path: a collective or local operation that changes the placements of some mesh axes."""
+
+    axes: tuple[int, ...]  # the mesh axes (indices) it changes
+    before: tuple[int, ...]  # the state it starts from: one interned placement per mesh axis
+    after: tuple[int, ...]  # the state it leads to
+    kind: str  # a row of the module docstring's table: "all_gather", "slice", "permute", ...
+    merge_key: tuple | None  # collectives with equal keys in a row merge into one; None never merges
+    dim: int | None = None  # the tensor dim gathered, scattered or (all_to_all) split: sizes the buffer
+    perm: tuple[int, ...] | None = None  # a permute's sigma: axis i's placement moves to axis sigma[i]
+
+
+class Run(NamedTuple):
+    """The open run of mergeable collectives the last edge of a path belongs to: extending it costs exactly
+    what the merged collective costs more (no second launch)."""
+
+    merge_key: tuple  # what its collectives share: the kind and the dim (or reduce op)
+    axes: tuple[int, ...]  # the mesh axes merged so far, in order
+    nbytes: int  # its input bytes per device, fixed by its first collective
+    divides: bool  # whether it reduces a Partial(avg) axis (an integer average must divide last)
 
 
 def _requirement(merge_key):
@@ -206,7 +232,8 @@ class _Search:
     source's and the target's) so that hashing and tests stay cheap on large meshes.
     """
 
-    def __init__(self, spec: Spec, start: tuple[Placement, ...], dst: tuple[Placement, ...], model: CostModel):
+    def __init__(self, spec: Spec, start: tuple[Placement, ...], dst: tuple[Placement, ...],
+                 model: CostModel):
         self.shape, self.sizes, self.model = spec.shape, spec.mesh_shape, model
         self.names = tuple(spec.mesh.axis_names)
         self.itemsize = spec.itemsize
@@ -246,12 +273,12 @@ class _Search:
         divides (reduces a Partial(avg) axis) must leave no Partial sum or avg pending, so it either follows
         the other sums or is merged with them into one collective. Floats divide anywhere.
         """
-        return (self.floor_divides and run is not None and run[3]
+        return (self.floor_divides and run is not None and run.divides
                 and any(self.op[p] in ("sum", "avg") and n > 1 for p, n in zip(state, self.sizes)))
 
     def avg_to_floor(self, state) -> bool:
-        """Whether an integer Partial(avg) axis still has to be reduced: then sum and avg axes already in place
-        may be reduced with it (and partitioned again), so that the division comes last."""
+        """Whether an integer Partial(avg) axis still has to be reduced: then sum and avg axes already in
+        place may be reduced with it (and partitioned again), so that the division comes last."""
         return self.floor_divides and any(self.op[p] == "avg" and p != q and n > 1
                                           for p, q, n in zip(state, self.dst, self.sizes))
 
@@ -271,11 +298,13 @@ class _Search:
             hops += self.min_hop[a]
         if not classes:
             return 0.0
-        launches = len(classes) - (open_run is not None and _requirement(open_run[0]) in classes)
+        launches = len(classes) - (open_run is not None and _requirement(open_run.merge_key) in classes)
         return launches * self.model.launch_us + hops
 
     def moves(self, state):
-        """(axes, new state, kind, merge key, dim) for every useful edge out of ``state``."""
+        """Every useful edge out of ``state`` as ``(axes, after, kind, merge_key, dim)``, the fields of an
+        ``Edge`` that vary: plain tuples, since this is the search's inner loop and most edges are priced
+        and dropped (``run`` makes ``Edge`` records of the path's)."""
         dim_of, dst = self.shard_dim, self.dst
         chains: dict[int, list[int]] = {}
         for a, p in enumerate(state):
@@ -291,7 +320,8 @@ class _Search:
                 if inner[d] != i:
                     continue
                 # an axis already in place is gathered only to let an earlier axis on its dim change
-                if p != q or any(state[j] != dst[j] and d in (dim_of[state[j]], dim_of[dst[j]]) for j in range(i)):
+                if p != q or any(state[j] != dst[j] and d in (dim_of[state[j]], dim_of[dst[j]])
+                                 for j in range(i)):
                     yield (i,), state[:i] + (0,) + state[i + 1:], "all_gather", ("all_gather", d), d
                 if self.fillable[q]:
                     yield (i,), state[:i] + (q,) + state[i + 1:], "fill", None, None
@@ -299,9 +329,11 @@ class _Search:
                 op = self.op[p]
                 if p == q and not (op in ("sum", "avg") and self.avg_to_floor(state)):
                     continue
-                yield (i,), state[:i] + (0,) + state[i + 1:], "all_reduce", ("all_reduce", "sum" if op == "avg" else op), None
+                key = ("all_reduce", "sum" if op == "avg" else op)
+                yield (i,), state[:i] + (0,) + state[i + 1:], "all_reduce", key, None
                 if e >= 0 and op in ("sum", "avg") and inner.get(e, -1) < i:
-                    yield (i,), state[:i] + (q,) + state[i + 1:], "reduce_scatter", ("reduce_scatter", e), e
+                    key = ("reduce_scatter", e)
+                    yield (i,), state[:i] + (q,) + state[i + 1:], "reduce_scatter", key, e
             elif e >= 0:
                 if inner.get(e, -1) < i:
                     yield (i,), state[:i] + (q,) + state[i + 1:], "slice", None, None
@@ -362,61 +394,68 @@ class _Search:
             self._prices[key] = got
         return got
 
-    def run(self) -> list[tuple]:
-        """The cheapest path as (axes, state before, state after, kind, merge key) edges.
+    def run(self) -> list[Edge]:
+        """The cheapest path, as edges.
 
-        A node is (state, open run): the run of mergeable collectives the last edge belongs to, as
-        (merge key, its axes so far, its input bytes, whether it divides), so that extending it costs
-        exactly what the merged collective costs more.
+        A node is ``(state, open run)``: the same state reached inside a run of mergeable collectives
+        and outside one costs differently from there on, so they are different nodes.
         """
         start, dst = self.start, self.dst
-        tie = itertools.count()
+        tie = itertools.count()  # heap ties go to the older entry, never to comparing runs
         best = {(start, None): 0.0}
         heap = [(self.heuristic(start, None), 0.0, next(tie), start, None)]
-        back = {}
+        back = {}  # node -> (the node it was reached from, then axes, kind, merge_key, dim, perm of the edge)
         launch = self.model.launch_us
         while heap:
             _, cost, _, state, run = heapq.heappop(heap)
-            if state == dst and not self.divides_early(state, run):
+            must_extend = self.divides_early(state, run)  # closing the open run now would divide too early
+            if state == dst and not must_extend:
                 path, node = [], (state, run)
                 while node in back:
-                    node, edge = back[node]
-                    path.append(edge)
+                    after, _ = node
+                    node, axes, kind, key, dim, perm = back[node]
+                    before, _ = node
+                    path.append(Edge(axes, before, after, kind, key, dim, perm))
                 return path[::-1]
             if best.get((state, run), math.inf) < cost:
                 continue
             for axes, new, kind, key, dim in self.moves(state):
-                new_run = None
-                extends = run is not None and key == run[0]
-                if not extends and self.divides_early(state, run):
+                extends = run is not None and key == run.merge_key
+                if must_extend and not extends:
                     continue
-                divides = kind in ("all_reduce", "reduce_scatter") and self.op[state[axes[0]]] == "avg"
                 if kind in LOCAL_KINDS:
                     if not self.partials_ok(new):
                         continue
-                    total = cost
-                elif extends:
-                    new_run = (key, run[1] + axes, run[2], run[3] or divides)
-                    total = cost + self.price(kind, new_run[1], run[2]) - self.price(kind, run[1], run[2])
+                    total, new_run = cost, None
                 else:
-                    group = math.prod(self.sizes[a] for a in axes)
-                    nbytes = (self.nbytes(state) if kind in ("all_gather", "all_reduce")
-                              else self.buffer_bytes(state, new, dim, group))
-                    total = cost + launch + self.price(kind, axes, nbytes)
-                    new_run = (key, axes, nbytes, divides) if key is not None else None
+                    divides = kind in ("all_reduce", "reduce_scatter") and self.op[state[axes[0]]] == "avg"
+                    if extends:
+                        new_run = Run(key, run.axes + axes, run.nbytes, run.divides or divides)
+                        total = (cost + self.price(kind, new_run.axes, run.nbytes)
+                                 - self.price(kind, run.axes, run.nbytes))
+                    else:
+                        if kind in ("all_gather", "all_reduce"):
+                            nbytes = self.nbytes(state)
+                        else:  # one target chunk per device of the group
+                            group = math.prod(self.sizes[a] for a in axes)
+                            nbytes = self.buffer_bytes(state, new, dim, group)
+                        total = cost + launch + self.price(kind, axes, nbytes)
+                        new_run = Run(key, axes, nbytes, divides) if key is not None else None
                 node = (new, new_run)
                 if total < best.get(node, math.inf) - 1e-9:
                     best[node] = total
-                    back[node] = ((state, run), (axes, state, new, kind, key))
-                    heapq.heappush(heap, (total + self.heuristic(new, new_run), total, next(tie), new, new_run))
+                    back[node] = ((state, run), axes, kind, key, dim, None)
+                    estimate = total + self.heuristic(new, new_run)
+                    heapq.heappush(heap, (estimate, total, next(tie), new, new_run))
             sigma = self.relabelling(state)
-            if sigma is not None and not self.divides_early(state, run):
-                moved = tuple(self.names[i] for i in range(len(sigma)) if sigma[i] != i)
-                total = cost + self.model.collective("permute", moved, 2, self.nbytes(state))
+            if sigma is not None and not must_extend:
+                moved = tuple(i for i in range(len(sigma)) if sigma[i] != i)
+                total = cost + self.model.collective("permute", tuple(self.names[i] for i in moved), 2,
+                                                     self.nbytes(state))
                 node = (dst, None)
                 if total < best.get(node, math.inf) - 1e-9:
                     best[node] = total
-                    back[node] = ((state, run), (sigma, state, dst, "permute", None))
+                    back[node] = ((state, run), moved, "permute", None, None, sigma)
                     heapq.heappush(heap, (total, total, next(tie), dst, None))
         raise AssertionError(f"no redistribution path to {format_placements(self.decode(dst))}")
 
@@ -455,25 +494,28 @@ def _exchange_step(spec: Spec, via, model: CostModel, names) -> list[Step]:
     return [Step("exchange", names, spec.placements, via, bytes=sum(sizes), cost=cost, count=len(sizes))]
 
 
-def _merge(search: _Search, edges) -> list[Step]:
+def _group(edge: Edge):
+    """Edges with equal groups in a row become one step: a run of one merge key, or of one local kind."""
+    if edge.merge_key is not None:
+        return edge.merge_key
+    return (edge.kind, None) if edge.kind in LOCAL_KINDS else id(edge)
+
+
+def _merge(search: _Search, edges: list[Edge]) -> list[Step]:
     """Group consecutive edges of one merge key (or one local kind) into single steps."""
     steps: list[Step] = []
-    groups = itertools.groupby(edges, key=lambda e: e[4] if e[4] is not None else (e[3], None) if e[3] in LOCAL_KINDS
-                               else id(e))
-    for _, group in groups:
+    for _, group in itertools.groupby(edges, key=_group):
         group = list(group)
-        kind, first_ids, last_ids = group[0][3], group[0][1], group[-1][2]
+        kind, first_ids, last_ids = group[0].kind, group[0].before, group[-1].after
         first, last = search.decode(first_ids), search.decode(last_ids)
         names = search.names
         if kind == "permute":
-            sigma = group[0][0]
-            moved = tuple(i for i in range(len(sigma)) if sigma[i] != i)
             nbytes = search.nbytes(first_ids)
-            cost = search.model.collective("permute", tuple(names[i] for i in moved), 2, nbytes)
-            steps.append(Step("permute", tuple(names[i] for i in moved), first, last, bytes=nbytes, cost=cost,
-                              perm=sigma))
+            axes = tuple(names[i] for i in group[0].axes)
+            cost = search.model.collective("permute", axes, 2, nbytes)
+            steps.append(Step("permute", axes, first, last, bytes=nbytes, cost=cost, perm=group[0].perm))
             continue
-        axes_idx = [a for e in group for a in e[0]]
+        axes_idx = [a for e in group for a in e.axes]
         dim = split_dim = op = None
         scale = 1
         if kind == "all_gather":
@@ -495,11 +537,14 @@ def _merge(search: _Search, edges) -> list[Step]:
         nbytes = 0
         cost = 0.0
         if kind in COLLECTIVE_KINDS:
-            nbytes = (search.buffer_bytes(first_ids, last_ids, dim, group_size) if kind == "reduce_scatter"
-                      else search.buffer_bytes(first_ids, last_ids, split_dim, group_size) if kind == "all_to_all"
-                      else search.nbytes(first_ids))
+            if kind in ("reduce_scatter", "all_to_all"):
+                cut = dim if kind == "reduce_scatter" else split_dim
+                nbytes = search.buffer_bytes(first_ids, last_ids, cut, group_size)
+            else:
+                nbytes = search.nbytes(first_ids)
             cost = search.model.collective(kind, tuple(names[a] for a in order), group_size, nbytes)
-        steps.append(Step(kind, tuple(names[a] for a in order), first, last, dim, split_dim, op, scale, nbytes, cost))
+        steps.append(Step(kind, tuple(names[a] for a in order), first, last, dim, split_dim, op, scale,
+                          nbytes, cost))
     return steps
 
 

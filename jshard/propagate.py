@@ -37,7 +37,7 @@ from jax.sharding import Mesh
 
 from .caches import Cache, memo
 from .cost import CostModel
-from .placements import Placement, Replicate
+from .placements import Placement, Replicate, partial_ops_mix
 from .planner import DEFAULT_COST_MODEL
 from .rules.registry import Column, Rule, fill, rule_for
 from .spec import Spec, dim_layout
@@ -225,10 +225,11 @@ def _product(lists):
 class _Selection:
     """One selection problem: the filled columns, the per-axis options and the search over them."""
 
-    def __init__(self, name: str, params: dict, in_specs: tuple[Spec, ...], out_avals: tuple, model: CostModel,
-                 consts: tuple, mesh: Mesh | None, keys: tuple | None = None, want: tuple | None = None):
-        self.name, self.params, self.in_specs, self.out_avals, self.model = name, params, in_specs, out_avals, model
-        self.consts, self.want = consts, want
+    def __init__(self, name: str, params: dict, in_specs: tuple[Spec, ...], out_avals: tuple,
+                 model: CostModel, consts: tuple, mesh: Mesh | None, keys: tuple | None = None,
+                 want: tuple | None = None):
+        self.name, self.params, self.in_specs, self.out_avals = name, params, in_specs, out_avals
+        self.model, self.consts, self.want = model, consts, want
         mesh = in_specs[0].mesh if in_specs else mesh
         if mesh is None:
             raise ValueError(f"select('{name}'): an equation without inputs needs mesh=")
@@ -259,7 +260,8 @@ class _Selection:
             limited = [(i, dt) for i, dt in enumerate(dtypes) if not _partial_ok(dt, "max")]
             for c in fill(self.rule.strategies(in_avals, self.out_avals, self.params), kinds, n_out):
                 if len(c.outs) != n_out or len(c.ins) != n_in:
-                    raise ValueError(f"rule for '{self.name}' returned {c} for {n_out} outputs and {n_in} inputs")
+                    raise ValueError(f"rule for '{self.name}' returned {c} for {n_out} outputs and {n_in} "
+                                     "inputs")
                 if limited:
                     both = c.outs + c.ins
                     if any(both[i].is_partial and not _partial_ok(dt, both[i].op) for i, dt in limited):
@@ -298,11 +300,11 @@ class _Selection:
                 outs[j][m] = p
         in_specs = tuple(s if s.placements == tuple(pl) else Spec(s.mesh, tuple(pl), s.shape, s.dtype)
                          for s, pl in zip(self.in_specs, ins))
-        out_specs = tuple(Spec(self.mesh, tuple(pl), tuple(a.shape), a.dtype) for a, pl in zip(self.out_avals, outs))
+        out_specs = tuple(Spec(self.mesh, tuple(pl), tuple(a.shape), a.dtype)
+                          for a, pl in zip(self.out_avals, outs))
         specs = out_specs + in_specs
         for s in specs:
-            ops = {p.op for p in s.placements if p.is_partial}
-            if len(ops) > 1 and not ops <= {"sum", "avg"}:
+            if not partial_ops_mix({p.op for p in s.placements if p.is_partial}):
                 return None
         for col in combo:
             for pos, d in col.even:
@@ -383,7 +385,8 @@ class _Selection:
                     if nxt not in seen:
                         seen.add(nxt)
                         heapq.heappush(heap, (self._key(per_axis, nxt), nxt))
-        raise AssertionError(f"no valid strategy for '{self.name}' on {self.in_specs}: all-Replicate must be valid")
+        raise AssertionError(f"no valid strategy for '{self.name}' on {self.in_specs}: all-Replicate must be "
+                             "valid")
 
     @staticmethod
     def _key(per_axis, idx):

@@ -7,17 +7,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 from jax import lax
 from jax.extend import core as jc
 from jax.interpreters import mlir
 
 import jshard
 from conftest import make_mesh
-from jshard import Partial, Replicate, Shard, Spec
-from jshard import clear_caches
-from jshard.propagate import _Selection, _product, select
+from jshard import Partial, Replicate, Shard, Spec, clear_caches
 from jshard.planner import DEFAULT_COST_MODEL
+from jshard.propagate import _product, _Selection, select
 from jshard.validate.core import run_equation
 from oracle import assert_close, check_darray, local_blocks, placement_st, valid
 
@@ -26,7 +26,8 @@ R = Replicate()
 
 def parts(value, mesh, placements, rng):
     mesh_shape = tuple(mesh.devices.shape)
-    return jshard.from_local(local_blocks(value, mesh_shape, placements, rng), mesh, placements, shape=value.shape)
+    blocks = local_blocks(value, mesh_shape, placements, rng)
+    return jshard.from_local(blocks, mesh, placements, shape=value.shape)
 
 
 def aval(shape, dtype=jnp.float32):
@@ -55,7 +56,8 @@ def test_multiplying_by_replicate_keeps_partial_without_moving_the_replicate():
     mesh = make_mesh((8,))
     rng = np.random.default_rng(1)
     a, b = rng.integers(-9, 9, (5, 3)).astype(np.float32), rng.integers(-9, 9, (5, 3)).astype(np.float32)
-    (out,), choice = run_equation(lax.mul_p, {}, [parts(a, mesh, (Partial("avg"),), rng), jshard.distribute(b, mesh, (R,))])
+    inputs = [parts(a, mesh, (Partial("avg"),), rng), jshard.distribute(b, mesh, (R,))]
+    (out,), choice = run_equation(lax.mul_p, {}, inputs)
     assert choice.ins[1].placements == (R,) and out.placements == (Partial("avg"),)
     check_darray(out, a * b)
 
@@ -63,7 +65,8 @@ def test_multiplying_by_replicate_keeps_partial_without_moving_the_replicate():
 def test_cast_to_int_reduces_a_sum_first():
     # seed 000: trunc(0.6) + trunc(0.6) = 0, but trunc(1.2) = 1; JAX's explicit mode returns 0 here
     mesh = make_mesh((8,))
-    x = jshard.from_local([np.full((4,), 0.6, np.float32)] * 2 + [np.zeros(4, np.float32)] * 6, mesh, (Partial(),))
+    blocks = [np.full((4,), 0.6, np.float32)] * 2 + [np.zeros(4, np.float32)] * 6
+    x = jshard.from_local(blocks, mesh, (Partial(),))
     params = dict(new_dtype=np.dtype(np.int32), weak_type=False, sharding=None)
     (out,), choice = run_equation(lax.convert_element_type_p, params, [x])
     assert not choice.ins[0].placements[0].is_partial
@@ -76,7 +79,8 @@ def test_cast_keeps_max_and_float_sum():
     to_bf16 = dict(new_dtype=np.dtype(jnp.bfloat16), weak_type=False, sharding=None)
     xmax = spec(mesh, (Partial("max"), Shard(0)), (8, 3))
     xsum = spec(mesh, (Partial(), Shard(0)), (8, 3))
-    assert select(lax.convert_element_type_p, to_int, [xmax], [aval((8, 3), jnp.int32)]).outs[0].placements == (Partial("max"), Shard(0))
+    kept = select(lax.convert_element_type_p, to_int, [xmax], [aval((8, 3), jnp.int32)])
+    assert kept.outs[0].placements == (Partial("max"), Shard(0))
     assert select(lax.convert_element_type_p, to_bf16, [xsum], [aval((8, 3), jnp.bfloat16)]).cost == 0
     assert select(lax.convert_element_type_p, to_int, [xsum], [aval((8, 3), jnp.int32)]).cost > 0
 
@@ -86,9 +90,10 @@ def test_monotone_maps_keep_max(prim, want):
     mesh = make_mesh((8,))
     rng = np.random.default_rng(2)
     a = rng.integers(1, 9, (7,)).astype(np.float32)
-    (out,), choice = run_equation(prim, {"accuracy": None} if prim is not lax.neg_p else {}, [parts(a, mesh, (Partial("max"),), rng)])
+    params = {"accuracy": None} if prim is not lax.neg_p else {}
+    (out,), choice = run_equation(prim, params, [parts(a, mesh, (Partial("max"),), rng)])
     assert (out.placements[0] == Partial(want)) if want else not out.placements[0].is_partial
-    truth = np.asarray(prim.bind(jnp.asarray(a), **({"accuracy": None} if prim is not lax.neg_p else {})))
+    truth = np.asarray(prim.bind(jnp.asarray(a), **params))
     assert_close(out.full(), truth, terms=np.abs(truth))  # transcendental ulps differ by program
 
 
@@ -106,7 +111,8 @@ def test_positive_constant_keeps_max_negative_swaps():
 
 
 def brute_force(prim, in_specs, out_avals):
-    sel = _Selection(prim.name, {}, tuple(in_specs), tuple(out_avals), DEFAULT_COST_MODEL, (None,) * len(in_specs), None)
+    consts = (None,) * len(in_specs)
+    sel = _Selection(prim.name, {}, tuple(in_specs), tuple(out_avals), DEFAULT_COST_MODEL, consts, None)
     best = None
     for combo in _product([sel.options(m) for m in sel.active]):
         cand = sel.candidate([c for _, c in combo])
@@ -187,8 +193,8 @@ def test_unknown_primitive_runs_replicated_with_one_warning():
 
 
 def test_wanted_outputs_are_produced_directly():
-    # a draw from a replicated key: on its own it runs replicated; asked for a sharded output by its consumers,
-    # it is drawn sharded (no input moves, nothing left for the consumer to slice)
+    # a draw from a replicated key: on its own it runs replicated; asked for a sharded output by its
+    # consumers, it is drawn sharded (no input moves, nothing left for the consumer to slice)
     from jax.core import ShapedArray
 
     mesh = jax.make_mesh((2, 4), ("dp", "tp"), devices=jax.devices()[:8])

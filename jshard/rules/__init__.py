@@ -3,10 +3,12 @@
 A rule answers, for one mesh axis and without seeing the mesh, which tuples (outputs..., inputs...) of
 placements are correct for a primitive, using ``Replicate``, ``Partial(op)`` and ``ShardPlaceholder``
 (see ``jshard.rules.registry``); ``jshard.propagate`` expands them to the N-D mesh and picks the
-cheapest. Importing this package registers every family.
+cheapest. Why each tuple is correct (linear maps keep sums, monotone maps keep max and min) is stated once,
+in ``jshard.rules.algebra``. Importing this package registers every family.
 """
 
-from . import contractions, elementwise, indexing, random, reductions, shapes  # noqa: F401  (they register rules)
-from .registry import Column, Rule, ShardPlaceholder, fill, register, registered, rule_for
+# importing a family registers its rules
+from . import contractions, elementwise, indexing, random, reductions, shapes  # noqa: F401
+from .registry import Column, Rule, ShardPlaceholder, fill, override, register, registered, rule_for
 
-__all__ = ["Column", "Rule", "ShardPlaceholder", "fill", "register", "registered", "rule_for"]
+__all__ = ["Column", "Rule", "ShardPlaceholder", "fill", "override", "register", "registered", "rule_for"]

@@ -47,33 +47,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import jax.numpy as jnp
-import numpy as np
-
 from ..local import fill_padding
 from ..spec import Spec
-from .registry import LINEAR, R, ShardPlaceholder as Φ, register
+from .algebra import SUM, R, linear_into
+from .registry import ShardPlaceholder as Φ
+from .registry import register
 
 __all__: list[str] = []
 
-_SUM = LINEAR[0]
-
-
-def _linear_partials(in_dtype, out_dtype) -> tuple:
-    """The Partials of one operand that pass through a contraction into an ``out_dtype`` result."""
-    if jnp.issubdtype(in_dtype, jnp.inexact) and jnp.issubdtype(out_dtype, jnp.inexact):
-        return LINEAR
-    if jnp.issubdtype(in_dtype, jnp.integer) and jnp.issubdtype(out_dtype, jnp.integer):
-        # the parts wrap modulo 2**bits(in): their products add up right modulo 2**bits(out) <= 2**bits(in)
-        return LINEAR[:1] if np.dtype(out_dtype).itemsize <= np.dtype(in_dtype).itemsize else ()
-    return ()
-
 
 def _operand_partials(ins, outs) -> list[tuple]:
+    """A contraction is linear in each operand: one pending, the other Replicate."""
     lhs, rhs = ins
     out = outs[0].dtype
-    return ([(p, p, R) for p in _linear_partials(lhs.dtype, out)]
-            + [(p, R, p) for p in _linear_partials(rhs.dtype, out)])
+    return ([(p, p, R) for p in linear_into(lhs.dtype, out)]
+            + [(p, R, p) for p in linear_into(rhs.dtype, out)])
 
 
 def _contracting_local(contracted: Callable) -> Callable:
@@ -106,10 +94,10 @@ def _dot_general(ins, outs, params) -> list[tuple]:
     (lc, rc), (lb, rb) = params["dimension_numbers"]
     lf = [d for d in range(len(ins[0].shape)) if d not in lc and d not in lb]
     rf = [d for d in range(len(ins[1].shape)) if d not in rc and d not in rb]
-    t = [(Φ(i), Φ(l), Φ(r)) for i, (l, r) in enumerate(zip(lb, rb))]
+    t = [(Φ(i), Φ(a), Φ(b)) for i, (a, b) in enumerate(zip(lb, rb))]
     t += [(Φ(len(lb) + i), Φ(d), R) for i, d in enumerate(lf)]
     t += [(Φ(len(lb) + len(lf) + i), R, Φ(d)) for i, d in enumerate(rf)]
-    t += [(_SUM, Φ(l), Φ(r)) for l, r in zip(lc, rc)]
+    t += [(SUM, Φ(a), Φ(b)) for a, b in zip(lc, rc)]
     return t + _operand_partials(ins, outs)
 
 
@@ -131,14 +119,14 @@ def _full_window(params: dict, lhs_shape, rhs_shape, lhs_dim: int, rhs_dim: int,
 
 def _contracted_spatial(params: dict, lhs_shape, rhs_shape) -> list[tuple[int, int]]:
     dn = params["dimension_numbers"]
-    return [(l, r) for i, (l, r) in enumerate(zip(dn.lhs_spec[2:], dn.rhs_spec[2:]))
-            if _full_window(params, lhs_shape, rhs_shape, l, r, i)]
+    return [(a, b) for i, (a, b) in enumerate(zip(dn.lhs_spec[2:], dn.rhs_spec[2:]))
+            if _full_window(params, lhs_shape, rhs_shape, a, b, i)]
 
 
 def _conv_contracted(params: dict, lhs_shape, rhs_shape) -> tuple[Sequence[int], Sequence[int]]:
     dn = params["dimension_numbers"]  # always a ConvDimensionNumbers once bound
     spatial = _contracted_spatial(params, lhs_shape, rhs_shape)
-    return (dn.lhs_spec[1], *(l for l, _ in spatial)), (dn.rhs_spec[1], *(r for _, r in spatial))
+    return (dn.lhs_spec[1], *(a for a, _ in spatial)), (dn.rhs_spec[1], *(b for _, b in spatial))
 
 
 @register("conv_general_dilated", local=_contracting_local(_conv_contracted))
@@ -155,8 +143,8 @@ def _conv(ins, outs, params) -> list[tuple]:
     if groups == 1 and batch_groups == 1:  # grouped: an output feature's chunk would not match its group
         t.append((Φ(of), R, Φ(ro)))
     if groups == 1:  # every input feature meets every output feature: a plain contraction
-        t.append((_SUM, Φ(lfeat), Φ(ri)))
-    t += [(Φ(o), Φ(l), R) for i, (o, l, r) in enumerate(zip(osp, lsp, rsp))
-          if _pointwise_window(params, rhs.shape, r, i)]
-    t += [(_SUM, Φ(l), Φ(r)) for l, r in _contracted_spatial(params, lhs.shape, rhs.shape)]
+        t.append((SUM, Φ(lfeat), Φ(ri)))
+    t += [(Φ(o), Φ(a), R) for i, (o, a, b) in enumerate(zip(osp, lsp, rsp))
+          if _pointwise_window(params, rhs.shape, b, i)]
+    t += [(SUM, Φ(a), Φ(b)) for a, b in _contracted_spatial(params, lhs.shape, rhs.shape)]
     return t + _operand_partials(ins, outs)

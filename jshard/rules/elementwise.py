@@ -1,11 +1,14 @@
 """Elementwise primitives: shards follow the output dim, Partials follow the algebra of the function.
 
-Every elementwise primitive keeps a shard on any dim (rank-0 operands, the scalars a jaxpr broadcasts,
-stay Replicate). Which pending reductions survive is the function's algebra, written once per class:
+Every elementwise primitive keeps a shard on any dim (``algebra.pointwise``: rank-0 operands, the scalars a
+jaxpr broadcasts, stay Replicate). Which pending reductions survive is the function's algebra, so the
+primitives are grouped into named classes below, each a tuple of names with its algebra in a comment, and
+each class is registered in one call:
 
-- **additive** (add, sub, neg, add_any, real parts, float casts, ...): ``P(sum)`` / ``P(avg)`` on every
-  operand stays pending; a Replicate operand becomes ``P(sum)`` exactly (value on one coordinate);
-- **multiplicative** (mul, div's numerator, shift_left): one ``P(sum|avg)`` operand times Replicate ones;
+- **additive** (add, sub, add_any, complex): ``P(sum)`` / ``P(avg)`` on every operand stays pending; a
+  Replicate operand becomes ``P(sum)`` exactly (value on one coordinate);
+- **linear in one operand** (neg, real parts, mul, div's numerator, shift_left): one ``P(sum|avg)``
+  operand, the others Replicate;
 - **monotone**: a map that is non-decreasing in an operand (the others Replicate) keeps ``P(max)`` and
   ``P(min)`` there; a non-increasing one swaps them (neg, erfc, rsqrt). Maps defined only on
   ``[a, inf)`` (log, sqrt) keep only ``P(min)``: the parts of a ``P(max)`` that lose may lie outside
@@ -18,52 +21,44 @@ Integer arithmetic wraps as in JAX: sums stay exact modulo 2**bits; order claims
 
 >>> import jax.numpy as jnp; from jax.core import ShapedArray
 >>> f = ShapedArray((4, 6), jnp.float32)
->>> [t for t in _rules_for("exp")((f,), (f,), {}) if t[0].is_partial]
-[(P(max), P(max)), (P(min), P(min))]
+>>> from jshard.rules.registry import rule_for
+>>> "exp" in NON_DECREASING, rule_for("exp").strategies((f,), (f,), {})
+(True, [(Φ0, Φ0), (Φ1, Φ1), (P(max), P(max)), (P(min), P(min))])
 """
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import jax.numpy as jnp
+import numpy as np
 
-from .registry import LINEAR, ORDER, R, ShardPlaceholder, register
+from .algebra import (
+    AVG,
+    LINEAR,
+    MAX,
+    MIN,
+    ORDER,
+    SUM,
+    R,
+    homomorphic,
+    inexact,
+    linear,
+    linear_in,
+    monotone,
+    pointwise,
+)
+from .registry import ShardPlaceholder, register
 
-__all__: list[str] = []
+__all__ = ["IDENTITY", "COMPLEX_PARTS", "NEGATION", "NON_DECREASING", "NON_INCREASING", "DOMAIN_LIMITED",
+           "DOMAIN_LIMITED_DECREASING", "BITWISE_NOT", "INTEGER_POW", "UNARY_PLAIN", "ADDITIVE",
+           "SUBTRACTIVE", "COMPLEX", "MULTIPLICATIVE", "DIVISION", "SHIFT_LEFT", "NON_DECREASING_IN_FIRST",
+           "SHIFT_RIGHT_LOGICAL", "MAXIMUM", "MINIMUM", "INCOMPLETE_GAMMA", "INCOMPLETE_GAMMA_COMPLEMENT",
+           "BINARY_PLAIN"]
 
-_MAX, _MIN = ORDER
-_SWAP = {_MAX: _MIN, _MIN: _MAX}
-
-
-def _kind_unsigned(dtype) -> bool:
-    return jnp.issubdtype(dtype, jnp.unsignedinteger)
-
-
-def _inexact(dtype) -> bool:
-    return jnp.issubdtype(dtype, jnp.inexact)
-
-
-def _linear_ops(dtype) -> tuple:
-    """The Partials that distribute over + for ``dtype``: sum always (integers wrap consistently), avg
-    only for inexact dtypes."""
-    return LINEAR if _inexact(dtype) else LINEAR[:1]
-
-
-def _shards(ins, outs) -> list[tuple]:
-    # an operand broadcasting along d (rank 0, or size 1 where the output is longer) stays Replicate
-    shape = outs[0].shape
-    return [tuple([ShardPlaceholder(d)] * len(outs))
-            + tuple(ShardPlaceholder(d) if a.shape and a.shape[d] == shape[d] else R for a in ins)
-            for d in range(len(shape))]
-
-
-def _at(n: int, j: int, p, rest=R) -> tuple:
-    return tuple(p if i == j else rest for i in range(n))
-
-
-def _monotone(n: int, j: int, increasing: bool, ops=ORDER) -> list[tuple]:
-    """``f`` monotone in operand ``j`` (others Replicate): max/min pass, swapped if decreasing."""
-    return [(p if increasing else _SWAP[p],) + _at(n, j, p) for p in ops]
+# What a class keeps beyond the shards: ``keeps(ins, outs, params)`` lists tuples ``(out, operands...)``.
+_Keeps = Callable[[Sequence[Any], Sequence[Any], dict], list[tuple]]
 
 
 def _const_sign(a) -> int:
@@ -81,168 +76,213 @@ def _const_sign(a) -> int:
     return 0
 
 
-# -- classes -----------------------------------------------------------------------------------------
-
-_INCREASING = {  # non-decreasing on their whole domain
-    "exp", "exp2", "expm1", "tanh", "logistic", "sinh", "asinh", "atan", "erf", "cbrt",
-    "floor", "ceil", "round", "sign", "reduce_precision",
-}
-_INCREASING_UPWARD = {"log", "log1p", "sqrt", "acosh"}  # non-decreasing on [a, inf): P(min) only
-_DECREASING = {"erfc"}
-_IDENTITY = {"copy", "stop_gradient"}
-_PLAIN = {  # no Partial survives
-    "abs", "square", "sin", "cos", "tan", "asin", "acos", "atanh", "cosh", "lgamma", "digamma", "erf_inv",
-    "is_finite", "population_count", "clz", "bessel_i0e", "bessel_i1e",
-}
-_BINARY_PLAIN = {
-    "pow", "atan2", "rem", "and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge", "igamma_grad_a", "polygamma", "zeta",
-    "regularized_incomplete_beta",
-}
+def _always(tuples: list[tuple]) -> _Keeps:
+    """A class whose algebra does not depend on dtypes, constants or params."""
+    return lambda ins, outs, params: tuples
 
 
-def _unary(name):
-    def rule(ins, outs, params):
-        t = _shards(ins, outs)
-        dtype = ins[0].dtype
-        if name in _IDENTITY or name in ("real", "imag", "conj"):
-            ops = (*_linear_ops(dtype), *ORDER) if name in _IDENTITY else _linear_ops(dtype)
-            t += [(p, p) for p in ops]
-        elif name == "neg":
-            t += [(p, p) for p in _linear_ops(dtype)] + _monotone(1, 0, False)
-        elif name == "not":
-            if dtype != np.bool_:  # ~x = -x - 1 on integers: order-reversing
-                t += _monotone(1, 0, False)
-        elif name in _INCREASING:
-            t += _monotone(1, 0, True)
-        elif name in _INCREASING_UPWARD:
-            t += _monotone(1, 0, True, ops=(_MIN,))
-        elif name in _DECREASING:
-            t += _monotone(1, 0, False)
-        elif name == "rsqrt":  # decreasing on (0, inf)
-            t += _monotone(1, 0, False, ops=(_MIN,))
-        elif name == "integer_pow":
-            y = params["y"]
-            if y == 1:
-                t += [(p, p) for p in (*_linear_ops(dtype), *ORDER)]
-            elif y > 0 and y % 2 == 1:
-                t += _monotone(1, 0, True)
-        return t
+# -- unary: tuples (out, x); dtypes are the operand's ---------------------------------------------------
 
-    return rule
+# f(x) = x: every pending reduction passes
+IDENTITY = ("copy", "stop_gradient")
+# linear over the reals, f(a1 + a2) = f(a1) + f(a2), but not ordered (complex numbers): P(sum|avg) pass
+COMPLEX_PARTS = ("real", "imag", "conj")
+# f(x) = -x: linear, and order-reversing (a max of the parts becomes a min)
+NEGATION = ("neg",)
+# non-decreasing on their whole domain: f(max a_i) = max f(a_i), and min alike
+NON_DECREASING = ("exp", "exp2", "expm1", "tanh", "logistic", "sinh", "asinh", "atan", "erf", "cbrt",
+                  "floor", "ceil", "round", "sign", "reduce_precision")
+# non-increasing on their whole domain: max and min swap
+NON_INCREASING = ("erfc",)
+# non-decreasing, but defined only on [a, inf): P(min) alone passes (see algebra.monotone)
+DOMAIN_LIMITED = ("log", "log1p", "sqrt", "acosh")
+# non-increasing on (0, inf), defined only there: P(min) in, P(max) out
+DOMAIN_LIMITED_DECREASING = ("rsqrt",)
+# ~x = -x - 1 on integers: order-reversing; on bools no algebra
+BITWISE_NOT = ("not",)
+# x ** y for a static integer y: x itself for y = 1, non-decreasing for odd y > 0, else no algebra
+INTEGER_POW = ("integer_pow",)
+# neither linear nor monotone: shards only
+UNARY_PLAIN = ("abs", "square", "sin", "cos", "tan", "asin", "acos", "atanh", "cosh", "lgamma", "digamma",
+               "erf_inv", "is_finite", "population_count", "clz", "bessel_i0e", "bessel_i1e")
 
 
-def _binary(name):
-    def rule(ins, outs, params):
-        t = _shards(ins, outs)
+def _integer_pow(ins, outs, params) -> list[tuple]:
+    y = params["y"]
+    if y == 1:
+        return linear_in(1, 0, linear(ins[0].dtype)) + monotone(1, 0, True)
+    return monotone(1, 0, True) if y > 0 and y % 2 == 1 else []
+
+
+_UNARY: tuple[tuple[tuple[str, ...], _Keeps], ...] = (
+    (IDENTITY, lambda ins, outs, params: linear_in(1, 0, linear(ins[0].dtype)) + monotone(1, 0, True)),
+    (COMPLEX_PARTS, lambda ins, outs, params: linear_in(1, 0, linear(ins[0].dtype))),
+    (NEGATION, lambda ins, outs, params: linear_in(1, 0, linear(ins[0].dtype)) + monotone(1, 0, False)),
+    (NON_DECREASING, _always(monotone(1, 0, True))),
+    (NON_INCREASING, _always(monotone(1, 0, False))),
+    (DOMAIN_LIMITED, _always(monotone(1, 0, True, ops=(MIN,)))),
+    (DOMAIN_LIMITED_DECREASING, _always(monotone(1, 0, False, ops=(MIN,)))),
+    (BITWISE_NOT, lambda ins, outs, params: [] if ins[0].dtype == np.bool_ else monotone(1, 0, False)),
+    (INTEGER_POW, _integer_pow),
+    (UNARY_PLAIN, _always([])),
+)
+
+
+# -- binary: tuples (out, a, b); dtypes are the output's ------------------------------------------------
+
+# a + b (add_any: autodiff's sum of cotangents): additive in both operands, non-decreasing in each
+ADDITIVE = ("add", "add_any")
+# a - b: additive in both operands, non-decreasing in a, non-increasing in b
+SUBTRACTIVE = ("sub",)
+# complex(a, b) = a + ib: additive in both operands, no order
+COMPLEX = ("complex",)
+# a * b: linear in each operand (the other Replicate); monotone in one when the other is a one-sign constant
+MULTIPLICATIVE = ("mul",)
+# a / b, inexact only (integer division rounds): linear in a; monotone in a when b is a one-sign constant
+DIVISION = ("div",)
+# x << k = x * 2**k, wrapping like integer sums do: linear (P(sum)) and non-decreasing in x
+SHIFT_LEFT = ("shift_left",)
+# non-decreasing in the first operand: nextafter(x, y); x >> k = floor(x / 2**k)
+NON_DECREASING_IN_FIRST = ("nextafter", "shift_right_arithmetic")
+# floor(x / 2**k) as well, but a logical shift orders only unsigned values
+SHIFT_RIGHT_LOGICAL = ("shift_right_logical",)
+# the reduction itself: max(P(max), P(max)) stays pending; non-decreasing in each operand
+MAXIMUM = ("max",)
+MINIMUM = ("min",)
+# regularized incomplete gammas of (a, x), monotone in x on [0, inf) only: P(min) in x, igamma
+# non-decreasing, igammac non-increasing
+INCOMPLETE_GAMMA = ("igamma",)
+INCOMPLETE_GAMMA_COMPLEMENT = ("igammac",)
+# no algebra: shards only
+BINARY_PLAIN = ("pow", "atan2", "rem", "and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge",
+                "igamma_grad_a", "polygamma", "zeta", "regularized_incomplete_beta")
+
+
+def _additive(increasing_in_b: bool) -> _Keeps:
+    def keeps(ins, outs, params) -> list[tuple]:
         dtype = outs[0].dtype
-        lin = _linear_ops(dtype)
-        if name in ("add", "add_any", "sub"):
-            t += [(p, p, p) for p in lin]
-            if _inexact(dtype):  # avg(a_i) + r = avg(a_i + r): no conversion of r needed
-                t += [(LINEAR[1], LINEAR[1], R), (LINEAR[1], R, LINEAR[1])]
-            t += _monotone(2, 0, True) + _monotone(2, 1, name != "sub")
-        elif name == "mul":
-            t += [(p, p, R) for p in lin] + [(p, R, p) for p in lin]
-            for j in (0, 1):
-                s = _const_sign(ins[1 - j])
-                if s:
-                    t += _monotone(2, j, s > 0)
-        elif name == "div":
-            if _inexact(dtype):
-                t += [(p, p, R) for p in lin]
-            s = _const_sign(ins[1])
-            if s and _inexact(dtype):
-                t += _monotone(2, 0, s > 0)
-        elif name == "shift_left":  # x << k = x * 2**k, wrapping like integer sums do
-            t += [(LINEAR[0], LINEAR[0], R)] + _monotone(2, 0, True)
-        elif name == "shift_right_arithmetic" or (name == "shift_right_logical" and _kind_unsigned(dtype)):
-            t += _monotone(2, 0, True)  # floor(x / 2**k); a logical shift only orders unsigned values
-        elif name in ("max", "min"):
-            own = _MAX if name == "max" else _MIN
-            t += [(own, own, own)] + _monotone(2, 0, True) + _monotone(2, 1, True)
-        elif name == "nextafter":
-            t += _monotone(2, 0, True)
-        elif name in ("igamma", "igammac"):  # regularized incomplete gammas: monotone in x on [0, inf)
-            t += _monotone(2, 1, name == "igamma", ops=(_MIN,))
-        elif name == "complex":
-            t += [(p, p, p) for p in lin]
-        return t
+        t = homomorphic(2, linear(dtype))
+        if inexact(dtype):  # avg(a_i) + r = avg(a_i + r): no conversion of r needed
+            t += [(AVG, AVG, R), (AVG, R, AVG)]
+        return t + monotone(2, 0, True) + monotone(2, 1, increasing_in_b)
 
-    return rule
+    return keeps
 
 
-def _select_n(ins, outs, params):
-    # the predicate picks the same case on every device, so any pending reduction of all cases survives
-    t = _shards(ins, outs)
-    n = len(ins)
-    ops = (*_linear_ops(outs[0].dtype), *ORDER) if outs[0].dtype != np.bool_ else ()
-    t += [(p, R) + (p,) * (n - 1) for p in ops]
+def _multiplicative(ins, outs, params) -> list[tuple]:
+    lin = linear(outs[0].dtype)
+    t = linear_in(2, 0, lin) + linear_in(2, 1, lin)
+    for j in (0, 1):
+        s = _const_sign(ins[1 - j])
+        if s:
+            t += monotone(2, j, s > 0)
     return t
 
 
-def _clamp(ins, outs, params):
+def _division(ins, outs, params) -> list[tuple]:
+    dtype, s = outs[0].dtype, _const_sign(ins[1])
+    if not inexact(dtype):
+        return []
+    return linear_in(2, 0, linear(dtype)) + (monotone(2, 0, s > 0) if s else [])
+
+
+def _own_reduction(own) -> _Keeps:
+    return _always(homomorphic(2, [own]) + monotone(2, 0, True) + monotone(2, 1, True))
+
+
+_BINARY: tuple[tuple[tuple[str, ...], _Keeps], ...] = (
+    (ADDITIVE, _additive(True)),
+    (SUBTRACTIVE, _additive(False)),
+    (COMPLEX, lambda ins, outs, params: homomorphic(2, linear(outs[0].dtype))),
+    (MULTIPLICATIVE, _multiplicative),
+    (DIVISION, _division),
+    (SHIFT_LEFT, _always(linear_in(2, 0, [SUM]) + monotone(2, 0, True))),
+    (NON_DECREASING_IN_FIRST, _always(monotone(2, 0, True))),
+    (SHIFT_RIGHT_LOGICAL, lambda ins, outs, params: (
+        monotone(2, 0, True) if jnp.issubdtype(outs[0].dtype, jnp.unsignedinteger) else [])),
+    (MAXIMUM, _own_reduction(MAX)),
+    (MINIMUM, _own_reduction(MIN)),
+    (INCOMPLETE_GAMMA, _always(monotone(2, 1, True, ops=(MIN,)))),
+    (INCOMPLETE_GAMMA_COMPLEMENT, _always(monotone(2, 1, False, ops=(MIN,)))),
+    (BINARY_PLAIN, _always([])),
+)
+
+
+# -- more operands, and casts ----------------------------------------------------------------------------
+
+
+def _select_n(ins, outs, params) -> list[tuple]:
+    # the predicate picks the same case on every device, so any pending reduction of all cases survives
+    ops = (*linear(outs[0].dtype), *ORDER) if outs[0].dtype != np.bool_ else ()
+    return [(p, R) + (p,) * (len(ins) - 1) for p in ops]
+
+
+def _clamp(ins, outs, params) -> list[tuple]:
     # clamp(lo, x, hi) = min(max(x, lo), hi) is non-decreasing in each operand, and a max (min) over
     # devices passes through the max (min) inside it
-    t = _shards(ins, outs)
-    for j in range(3):
-        t += _monotone(3, j, True)
-    return t + [(_MAX, _MAX, _MAX, R), (_MIN, R, _MIN, _MIN), (_MIN, _MIN, R, _MIN)]
+    t = monotone(3, 0, True) + monotone(3, 1, True) + monotone(3, 2, True)
+    return t + [(MAX, MAX, MAX, R), (MIN, R, MIN, MIN), (MIN, MIN, R, MIN)]
 
 
 def _kind(dtype) -> str:
     """'b', 'i' (signed or unsigned), 'f' or 'c'; bfloat16 and the float8s are 'f' (numpy says 'V')."""
-    for kind, family in (("b", jnp.bool_), ("i", jnp.integer), ("f", jnp.floating), ("c", jnp.complexfloating)):
+    families = (("b", jnp.bool_), ("i", jnp.integer), ("f", jnp.floating), ("c", jnp.complexfloating))
+    for kind, family in families:
         if jnp.issubdtype(dtype, family):
             return kind
     return "?"
 
 
-def _convert(ins, outs, params):
+def _convert(ins, outs, params) -> list[tuple]:
     """Seed 000: a cast keeps a pending reduction only if it commutes with it."""
-    t = _shards(ins, outs)
     src, dst = np.dtype(ins[0].dtype), np.dtype(params["new_dtype"])
     ks, kd = _kind(src), _kind(dst)
     if "b" in (ks, kd) or "?" in (ks, kd):
-        return t
+        return []
     if "c" in (ks, kd):
-        return t + ([(p, p) for p in LINEAR] if ks == kd else [])
+        return linear_in(1, 0, LINEAR) if ks == kd else []
+    t = []
     if ks == "f" and kd == "f":
-        t += [(p, p) for p in LINEAR]
+        t += linear_in(1, 0, LINEAR)
     elif ks == "i" and kd == "f" and src.itemsize >= 4:
         # parts of a narrow integer sum wrap around (250 + 12 is 6 in uint8, 262 as floats); 32-bit parts
         # wrap only where the integer sum itself overflows
-        t += [(LINEAR[0], LINEAR[0])]
+        t += [(SUM, SUM)]
     elif ks == "i" and kd == "i":
         # a sum agrees modulo 2**bits of a target no wider than the source; widening a narrow sum would
         # undo the wrap-around of its parts
         if dst.itemsize <= src.itemsize or src.itemsize >= 4:
-            t += [(LINEAR[0], LINEAR[0])]
+            t += [(SUM, SUM)]
         if np.can_cast(src, dst, casting="safe") and src.itemsize >= 4:
-            t += [(LINEAR[1], LINEAR[1])]
+            t += [(AVG, AVG)]
     # order survives rounding and float -> int truncation; integer narrowing or sign changes wrap around
     if ks != "i" or kd != "i" or np.can_cast(src, dst, casting="safe"):
-        t += _monotone(1, 0, True)
+        t += monotone(1, 0, True)
     return t
 
 
-def _bitcast(ins, outs, params):
+_OTHERS: tuple[tuple[tuple[str, ...], _Keeps], ...] = (
+    (("select_n",), _select_n),
+    (("clamp",), _clamp),
+    (("convert_element_type",), _convert),
+)
+
+
+def _elementwise(keeps: _Keeps) -> Callable:
+    """The rule of every primitive in a class: the shards, then what the class's algebra keeps."""
+
+    def rule(ins, outs, params) -> list[tuple]:
+        return pointwise(ins, outs) + keeps(ins, outs, params)
+
+    return rule
+
+
+for _names, _keeps in _UNARY + _BINARY + _OTHERS:
+    register(*_names)(_elementwise(_keeps))
+
+
+@register("bitcast_convert_type")
+def _bitcast(ins, outs, params) -> list[tuple]:
     # bits reinterpreted: no algebra survives; a width change adds or drops a minor dim
     rank = min(len(ins[0].shape), len(outs[0].shape))
     return [(ShardPlaceholder(d), ShardPlaceholder(d)) for d in range(rank)]
-
-
-_UNARY = _INCREASING | _INCREASING_UPWARD | _DECREASING | _IDENTITY | _PLAIN | {
-    "neg", "not", "rsqrt", "integer_pow", "real", "imag", "conj"}
-_BINARY = _BINARY_PLAIN | {"add", "add_any", "sub", "mul", "div", "shift_left", "shift_right_arithmetic",
-                           "igamma", "igammac", "shift_right_logical", "max", "min", "nextafter", "complex"}
-
-_TABLE = {n: _unary(n) for n in _UNARY} | {n: _binary(n) for n in _BINARY}
-_TABLE.update(select_n=_select_n, clamp=_clamp, convert_element_type=_convert, bitcast_convert_type=_bitcast)
-
-
-def _rules_for(name: str):
-    return _TABLE[name]
-
-
-for _n, _fn in _TABLE.items():
-    register(_n)(_fn)

@@ -35,8 +35,8 @@ receive one update are offered only under ``unique_indices``.
 >>> import jax.numpy as jnp; from jax import lax; from jax.core import ShapedArray
 >>> dn = lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0,))
 >>> table, ids = ShapedArray((50, 8), jnp.float32), ShapedArray((6, 1), jnp.int32)
->>> out = ShapedArray((6, 8), jnp.float32)
->>> _gather((table, ids), (out,), dict(dimension_numbers=dn, slice_sizes=(1, 8), mode=lax.GatherScatterMode.CLIP))[:5]
+>>> out, clip = ShapedArray((6, 8), jnp.float32), lax.GatherScatterMode.CLIP
+>>> _gather((table, ids), (out,), dict(dimension_numbers=dn, slice_sizes=(1, 8), mode=clip))[:5]
 [(Φ1, Φ1, R), (Φ0, R, Φ0), (P(sum), Φ0, R), (P(max), Φ0, R), (P(min), Φ0, R)]
 """
 
@@ -50,19 +50,13 @@ from jax import lax
 
 from ..local import PerDevice, global_index, reduce_identity
 from ..spec import Spec
-from .registry import LINEAR, ORDER, PARTIALS, R, ShardPlaceholder, register
+from .algebra import AVG, MAX, MIN, ORDER, PARTIALS, SUM, R, inexact, linear, linear_in, monotone, swapped
+from .registry import ShardPlaceholder as Φ
+from .registry import register
 
 __all__ = ["local_position"]
 
-Φ = ShardPlaceholder
-_SUM, _AVG = LINEAR
-_MAX, _MIN = ORDER
-_SWAP = {_MAX: _MIN, _MIN: _MAX}
 _FILL = lax.GatherScatterMode.FILL_OR_DROP
-
-
-def _inexact(dtype) -> bool:
-    return jnp.issubdtype(dtype, jnp.inexact)
 
 
 def _mode(params) -> lax.GatherScatterMode:
@@ -159,10 +153,15 @@ def _gather_parts(op_rank: int, out_rank: int, dn) -> tuple[list[int], list[int]
     return window, batch
 
 
+def _holds_batch_rows(op: Spec, idx: Spec, operand_dims: Sequence[int], indices_dims: Sequence[int]) -> bool:
+    """Does every device hold the operand rows that its indices' batching dims pair with?"""
+    return all(_rows_within(idx, b, op, d) for d, b in zip(operand_dims, indices_dims))
+
+
 def _gather_check(params, in_specs, out_specs) -> bool:
     op, idx = in_specs
     dn = params["dimension_numbers"]
-    return all(_rows_within(idx, b, op, d) for d, b in zip(dn.operand_batching_dims, dn.start_indices_batching_dims))
+    return _holds_batch_rows(op, idx, dn.operand_batching_dims, dn.start_indices_batching_dims)
 
 
 def _gather_local(prim, params, in_specs, out_specs):
@@ -185,7 +184,8 @@ def _gather_local(prim, params, in_specs, out_specs):
     if not rows and not (mode == _FILL and sum_axes):
         return lambda op, idx: [prim.bind(take(op), idx, **bind)]
     row_axes = {a for _, d in rows for a, _ in op_spec.chain(d)}
-    row_op = next((out_spec.placements[a].op for a in sorted(row_axes) if out_spec.placements[a].is_partial), "sum")
+    row_op = next((out_spec.placements[a].op for a in sorted(row_axes) if out_spec.placements[a].is_partial),
+                  "sum")
     dtype = op_spec.dtype
     upper = np.array([op_spec.shape[d] - params["slice_sizes"][d] for d in dn.start_index_map])
     bind.update(indices_are_sorted=False, unique_indices=False)
@@ -204,7 +204,8 @@ def _gather_local(prim, params, in_specs, out_specs):
         if rows:  # other devices' rows: the identity of the pending reduction
             out = jnp.where(spread(owned), out, reduce_identity(row_op, dtype))
         if mode == _FILL:  # a pending sum must see the fill once: coordinate 0 of the P(sum) axes
-            fill = jnp.where(_all_zero(sum_axes), jnp.asarray(params["fill_value"], dtype), jnp.zeros((), dtype))
+            fill = jnp.where(_all_zero(sum_axes), jnp.asarray(params["fill_value"], dtype),
+                             jnp.zeros((), dtype))
             out = jnp.where(spread(in_range), out, fill)
         return [out]
 
@@ -225,9 +226,9 @@ def _gather(ins, outs, params) -> list[tuple]:
             t.append((Φ(o), Φ(paired[b]), Φ(b)))
     for d in sorted(set(dn.start_index_map)):
         if sizes[d] == 1:  # a table sharded by rows: each device answers for its own rows
-            t += [(p, Φ(d), R) for p in (_SUM, _MAX, _MIN)]
-    avg_ok = _inexact(op.dtype) or _mode(params) != _FILL
-    t += [(p, p, R) for p in PARTIALS if p != _AVG or avg_ok]
+            t += [(p, Φ(d), R) for p in (SUM, MAX, MIN)]
+    avg_ok = inexact(op.dtype) or _mode(params) != _FILL
+    t += [(p, p, R) for p in PARTIALS if p != AVG or avg_ok]
     return t
 
 
@@ -245,22 +246,22 @@ def _scatter_parts(op_rank: int, upd_rank: int, dn) -> tuple[list[int], list[int
 
 def _combiner_partials(kind: str, dtype, unique: bool) -> list[tuple]:
     """Pending reductions that pass a scatter with Replicate indices, as (out, operand, R, updates)."""
-    lin = LINEAR if _inexact(dtype) else LINEAR[:1]  # integer averages round: not linear
-    avg = (_AVG,) if _inexact(dtype) else ()
+    lin = linear(dtype)
+    avg = (AVG,) if inexact(dtype) else ()
     if kind == "set":  # overwrite: each position is the operand's or an update's, on every device alike
         t = [(p, p, R, p) for p in PARTIALS]
         return t + [(p, p, R, R) for p in avg + ORDER] + [(p, R, R, p) for p in avg + ORDER]
     if kind in ("add", "sub"):
         t = [(p, p, R, p) for p in lin] + [(p, p, R, R) for p in avg + ORDER] + [(p, R, R, p) for p in avg]
         if unique:  # one update per position: o +- u_c is monotone in u_c
-            t += [(p if kind == "add" else _SWAP[p], R, R, p) for p in ORDER]
+            t += monotone(3, 2, kind == "add")
         return t
     if kind == "mul":
-        return [(p, p, R, R) for p in lin]
-    own = _MAX if kind == "max" else _MIN  # max / min: monotone in each argument, and idempotent
-    t = [(own, own, R, own)] + [(p, p, R, R) for p in ORDER] + [(own, R, R, own)]
+        return linear_in(3, 0, lin)
+    own = MAX if kind == "max" else MIN  # max / min: monotone in each argument, and idempotent
+    t = [(own, own, R, own)] + monotone(3, 0, True) + [(own, R, R, own)]
     if unique:
-        t.append((_SWAP[own], R, R, _SWAP[own]))
+        t.append((swapped(own), R, R, swapped(own)))
     return t
 
 
@@ -272,15 +273,16 @@ def _scatter_rule(kind: str):
         wsize = {d: upd.shape[w] for d, w in zip(window, dn.update_window_dims)}
         t = [(Φ(d), Φ(d), R, Φ(w)) for d, w in zip(window, dn.update_window_dims)
              if wsize[d] == op.shape[d] and d not in dn.scatter_dims_to_operand_dims]
-        t += [(Φ(d), Φ(d), R, R) for d in sorted(set(dn.scatter_dims_to_operand_dims)) if wsize.get(d, 1) == 1]
+        t += [(Φ(d), Φ(d), R, R) for d in sorted(set(dn.scatter_dims_to_operand_dims))
+              if wsize.get(d, 1) == 1]
         paired = dict(zip(dn.scatter_indices_batching_dims, dn.operand_batching_dims))
         for b, u in enumerate(batch):
             if b in paired:
                 t += [(Φ(paired[b]), Φ(paired[b]), Φ(b), Φ(u)), (Φ(paired[b]), R, Φ(b), Φ(u))]
             elif kind in ("add", "sub"):  # each device adds its own updates: the sum of all devices
-                t.append((_SUM, _SUM, Φ(b), Φ(u)))
+                t.append((SUM, SUM, Φ(b), Φ(u)))
             elif kind in ("max", "min"):  # max / min are idempotent: a Replicate operand may stay
-                own = _MAX if kind == "max" else _MIN
+                own = MAX if kind == "max" else MIN
                 t += [(own, own, Φ(b), Φ(u)), (own, R, Φ(b), Φ(u))]
         return t + _combiner_partials(kind, op.dtype, bool(params["unique_indices"]))
 
@@ -290,7 +292,7 @@ def _scatter_rule(kind: str):
 def _scatter_check(params, in_specs, out_specs) -> bool:
     op, idx, _ = in_specs
     dn = params["dimension_numbers"]
-    return all(_rows_within(idx, b, op, d) for d, b in zip(dn.operand_batching_dims, dn.scatter_indices_batching_dims))
+    return _holds_batch_rows(op, idx, dn.operand_batching_dims, dn.scatter_indices_batching_dims)
 
 
 def _scatter_local(prim, params, in_specs, out_specs):
@@ -329,6 +331,6 @@ def _scatter_local(prim, params, in_specs, out_specs):
     return run
 
 
-for _kind, _name in (("set", "scatter"), ("add", "scatter-add"), ("sub", "scatter-sub"), ("mul", "scatter-mul"),
-                     ("min", "scatter-min"), ("max", "scatter-max")):
+for _kind, _name in (("set", "scatter"), ("add", "scatter-add"), ("sub", "scatter-sub"),
+                     ("mul", "scatter-mul"), ("min", "scatter-min"), ("max", "scatter-max")):
     register(_name, local=_scatter_local, check=_scatter_check)(_scatter_rule(_kind))

@@ -22,7 +22,8 @@ with sharded outputs directly.
 
 >>> import jax, jax.numpy as jnp; from jax.core import ShapedArray
 >>> key = jax.random.key(0)
->>> _bits((ShapedArray((), key.dtype),), (ShapedArray((4, 6), jnp.uint32),), {"shape": (4, 6), "bit_width": 32})
+>>> key, bits = ShapedArray((), key.dtype), ShapedArray((4, 6), jnp.uint32)
+>>> _bits((key,), (bits,), {"shape": (4, 6), "bit_width": 32})
 [(Φ0, R), (Φ1, R)]
 """
 
@@ -37,7 +38,8 @@ from jax.extend.random import threefry2x32_p
 
 from ..local import PerDevice
 from ..spec import Spec
-from .registry import R, ShardPlaceholder, register
+from .algebra import R, pointwise
+from .registry import ShardPlaceholder, register
 
 __all__: list[str] = []
 
@@ -46,11 +48,8 @@ def _elementwise(ins, outs, params) -> list[tuple]:
     """Shard a leading dim shared by the outputs and the inputs; scalars and size-1 (broadcast) dims of an
     input stay Replicate. Covers seed, wrap / unwrap (which add or drop the trailing key-data dim), split
     (which appends its new dims), fold_in, clone, and the threefry2x32 hash itself."""
-    out = outs[0].shape
     rank = min([len(a.shape) for a in outs] + [len(a.shape) for a in ins if a.shape or len(ins) == 1])
-    return [tuple(ShardPlaceholder(d) for _ in outs)
-            + tuple(ShardPlaceholder(d) if a.shape and a.shape[d] == out[d] else R for a in ins)
-            for d in range(rank)]
+    return pointwise(ins, outs, rank)
 
 
 for _name in ("random_seed", "random_wrap", "random_unwrap", "random_split", "random_fold_in", "random_clone",

@@ -38,21 +38,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 
-import jax.numpy as jnp
-
 from ..local import fill_padding, reduce_identity
 from ..placements import Partial
 from ..spec import Spec
-from .registry import LINEAR, ORDER, PARTIALS, R, ShardPlaceholder as Φ, register
+from .algebra import MAX, MIN, PARTIALS, R, linear
+from .registry import ShardPlaceholder as Φ
+from .registry import register
 
 __all__: list[str] = []
-
-_SUM = LINEAR[0]
-_MAX, _MIN = ORDER
-
-
-def _inexact(dtype) -> bool:
-    return jnp.issubdtype(dtype, jnp.inexact)
 
 
 def _kept(rank: int, axes: Sequence[int]) -> list[tuple]:
@@ -64,8 +57,8 @@ def _kept(rank: int, axes: Sequence[int]) -> list[tuple]:
 def _passing(op: str | None, dtype) -> tuple[Partial, ...]:
     """The pending reductions that pass a reduction (or scan) with monoid ``op`` (None: none does)."""
     if op == "sum":
-        return LINEAR if _inexact(dtype) else (_SUM,)
-    return {"max": (_MAX,), "min": (_MIN,)}.get(op, ())
+        return linear(dtype)
+    return {"max": (MAX,), "min": (MIN,)}.get(op, ())
 
 
 def _axes(params: dict) -> tuple[int, ...]:
@@ -153,7 +146,8 @@ def _sort(ins, outs, params) -> list[tuple]:
     if len(free) <= _MAX_PAYLOAD_PRODUCT:
         mixes = itertools.product((R, *PARTIALS), repeat=len(free))
     else:  # one payload pending, or all of them with the same kind
-        mixes = [tuple(p if i == j else R for i in range(len(free))) for j in range(len(free)) for p in PARTIALS]
+        mixes = [tuple(p if i == j else R for i in range(len(free)))
+                 for j in range(len(free)) for p in PARTIALS]
         mixes += [(p,) * len(free) for p in PARTIALS]
     for mix in mixes:
         if any(p.is_partial for p in mix):

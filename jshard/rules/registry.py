@@ -8,26 +8,31 @@ equation's params it lists the correct placement tuples ``(outputs..., inputs...
 >>> R, Φ = Replicate(), ShardPlaceholder
 >>> matmul = [(Φ(0), Φ(0), R), (Φ(1), R, Φ(1)), (Partial(), Φ(1, even=True), Φ(0, even=True))]
 
-The all-Replicate tuple is added by the infrastructure, never by a rule. ``fill`` turns placeholders into
-the shard kinds found in the inputs (``Shard`` and each ``StridedShard`` split factor), once per kind, so a
-rule written for ``Shard`` serves strided layouts too; without sharded inputs placeholder tuples vanish:
+The all-Replicate tuple is added by the infrastructure, never by a rule (``fill`` asserts it). Why a
+tuple is correct is the algebra of the function, stated once in ``jshard.rules.algebra``. ``fill`` turns
+placeholders into the shard kinds found in the inputs (``Shard`` and each ``StridedShard`` split factor),
+once per kind, so a rule written for ``Shard`` serves strided layouts too; without sharded inputs
+placeholder tuples vanish:
 
 >>> fill(matmul, (1, 2))[5]
 Column(outs=(P(sum),), ins=(SS(1,2), SS(0,2)), even=frozenset({(1, 1), (2, 0)}))
 
 ``even=True`` marks a dim the operation reads across (a contraction, a reduction): the padding of an
 unevenly sharded block would be read, so the tuple only applies to inputs that are evenly sharded there.
+
+Tests swap a rule for the length of a ``with`` block with ``override(name, rule)`` (``None`` removes it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
-from ..caches import memo
-from ..placements import REDUCE_OPS, Partial, Placement, Replicate, Shard, StridedShard
+from ..caches import clear_caches, memo
+from ..placements import Placement, Shard, StridedShard
 
 __all__ = [
     "ShardPlaceholder",
@@ -36,17 +41,10 @@ __all__ = [
     "register",
     "rule_for",
     "registered",
+    "override",
     "fill",
-    "R",
-    "PARTIALS",
-    "LINEAR",
-    "ORDER",
+    "sharded",
 ]
-
-R = Replicate()
-PARTIALS = tuple(Partial(op) for op in REDUCE_OPS)  # sum, avg, max, min
-LINEAR = PARTIALS[:2]  # the pending reductions that distribute over + and scaling: sum, avg
-ORDER = PARTIALS[2:]  # the ones that commute with order-preserving maps: max, min
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,8 +120,8 @@ def rule_for(prim: Any, source: str | None = None) -> Rule | None:
         _WARNED.add(name)
         where = f" (at {source})" if source else ""
         warnings.warn(
-            f"jshard has no sharding rule for primitive '{name}'{where}: its inputs are replicated and it runs "
-            "on every device (correct, but it may communicate more than needed)",
+            f"jshard has no sharding rule for primitive '{name}'{where}: its inputs are replicated and it "
+            "runs on every device (correct, but it may communicate more than needed)",
             stacklevel=3,
         )
     return rule
@@ -138,12 +136,59 @@ def registered() -> tuple[str, ...]:
     return tuple(sorted(_RULES))
 
 
+@contextlib.contextmanager
+def override(prim: Any, rule: Rule | None) -> Iterator[None]:
+    """Install ``rule`` for ``prim`` (``None``: no rule at all) inside a ``with`` block, then put back what
+    was there: a seam for tests (a deliberately wrong rule must be caught by the validator; a primitive
+    without a rule must run replicated, with its warning).
+
+    Selections and rule expansions are memoised, so every jshard cache is cleared on entry and on exit:
+    nothing chosen under the override outlives it. Inside the block a primitive without a rule warns once,
+    as if never seen before.
+
+    >>> with override("exp", None):
+    ...     has_rule("exp")
+    False
+    >>> has_rule("exp")
+    True
+    """
+    name = _name(prim)
+    before, warned = _RULES.get(name), name in _WARNED
+    if rule is None:
+        _RULES.pop(name, None)
+    else:
+        _RULES[name] = rule
+    _WARNED.discard(name)
+    clear_caches()
+    try:
+        yield
+    finally:
+        if before is None:
+            _RULES.pop(name, None)
+        else:
+            _RULES[name] = before
+        if warned:
+            _WARNED.add(name)
+        else:
+            _WARNED.discard(name)
+        clear_caches()
+
+
 @memo(1024)
-def _shard(dim: int, sf: int) -> Placement:
-    return Shard(dim) if sf == 1 else StridedShard(dim, sf)
+def sharded(dim: int, split_factor: int) -> Placement:
+    """The shard kind with ``split_factor`` on ``dim``: ``Shard`` for 1, else ``StridedShard``."""
+    return Shard(dim) if split_factor == 1 else StridedShard(dim, split_factor)
 
 
 _NONE: frozenset = frozenset()
+
+
+def _all_replicate(t: tuple) -> bool:
+    # a loop that stops at the first sharded or pending entry: fill runs on every uncached selection
+    for e in t:
+        if not e.is_replicate:
+            return False
+    return True
 
 
 def fill(strategies: Sequence[tuple], kinds: Sequence[int], n_out: int = 1) -> list[Column]:
@@ -153,13 +198,14 @@ def fill(strategies: Sequence[tuple], kinds: Sequence[int], n_out: int = 1) -> l
     for t in strategies:
         holes = [i for i, e in enumerate(t) if type(e) is ShardPlaceholder]
         if not holes:
-            t = tuple(_shard(e.dim, 1) if type(e) is StridedShard and e.split_factor == 1 else e for e in t)
+            assert not _all_replicate(t), f"a rule lists {t}: the all-Replicate tuple is the infrastructure's"
+            t = tuple(sharded(e.dim, 1) if type(e) is StridedShard and e.split_factor == 1 else e for e in t)
             cols.append(Column(t[:n_out], t[n_out:], _NONE))
             continue
         even = frozenset((i, t[i].dim) for i in holes if t[i].even) or _NONE
         for sf in kinds:
             c = list(t)
             for i in holes:
-                c[i] = _shard(t[i].dim, sf)
+                c[i] = sharded(t[i].dim, sf)
             cols.append(Column(tuple(c[:n_out]), tuple(c[n_out:]), even))
     return cols

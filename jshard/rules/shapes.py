@@ -51,15 +51,16 @@ from jax import lax
 
 from ..caches import memo
 from ..local import global_index
-from ..placements import Placement, Shard, StridedShard
+from ..placements import Shard
 from ..spec import Spec, dim_layout
-from .registry import PARTIALS, R, ShardPlaceholder as Φ, register
+from .algebra import PARTIALS, SUM, R
+from .registry import ShardPlaceholder as Φ
+from .registry import register, sharded
 
 __all__ = ["unit_presence"]
 
 _MAX_PRESENCE = 64  # more unit-dim combinations than this: offer none (fewer tuples is never wrong)
 _MAX_MIXED = 4  # data inputs whose Replicate / P(avg|max|min) mixes are listed (2**k tuples each)
-_SUM = PARTIALS[0]
 
 
 # -- shared helpers --------------------------------------------------------------------------------
@@ -73,7 +74,7 @@ def _partials(n_out: int, data: Sequence[bool]) -> list[tuple]:
     pos = [i for i, d in enumerate(data) if d]
     t = []
     for p in PARTIALS:
-        subsets = [pos] if p == _SUM or len(pos) > _MAX_MIXED else [
+        subsets = [pos] if p == SUM or len(pos) > _MAX_MIXED else [
             c for k in range(1, len(pos) + 1) for c in itertools.combinations(pos, k)]
         t += [(p,) * n_out + tuple(p if i in c else R for i in range(len(data))) for c in subsets]
     return t
@@ -178,23 +179,19 @@ def _divisors(n: int) -> list[int]:
     return sorted(set(small + [n // k for k in small]), reverse=True)
 
 
-def _strided(dim: int, sf: int) -> Placement:
-    return Shard(dim) if sf == 1 else StridedShard(dim, sf)
-
-
 def _moved(p, perm: Sequence[int]):
     """Placement ``p`` of the transposed operand ``transpose(x, perm)``, said of ``x``."""
     if isinstance(p, Φ):
         return Φ(perm[p.dim], p.even)
     if p.is_shard:
-        return _strided(perm[p.dim], p.split_factor)
+        return sharded(perm[p.dim], p.split_factor)
     return p
 
 
 def _transposed(spec: Spec, perm: Sequence[int]) -> Spec:
     """The spec of ``transpose(x, perm)`` for ``x`` with ``spec``: the same blocks, dims renumbered."""
     back = {e: d for d, e in enumerate(perm)}
-    placements = tuple(_strided(back[p.dim], p.split_factor) if p.is_shard else p for p in spec.placements)
+    placements = tuple(sharded(back[p.dim], p.split_factor) if p.is_shard else p for p in spec.placements)
     return Spec(spec.mesh, placements, tuple(spec.shape[e] for e in perm), spec.dtype)
 
 
@@ -216,12 +213,14 @@ def _reshape(ins, outs, params) -> list[tuple]:
     if 0 not in src:  # an empty array has nothing to place
         for a, b in _groups(src, dst):
             t.append((Φ(b[0]), Φ(a[0])))  # first dim to first dim (identity dims included)
-            if len(b) == 1:  # a merge: a later dim repeats once per element of the preceding dims on the device
+            if len(b) == 1:  # a merge: a later dim repeats once per element of the preceding dims on a device
                 for p in range(1, len(a)):
-                    t += [(_strided(b[0], sf), Shard(a[p])) for sf in _divisors(math.prod(src[d] for d in a[:p]))]
+                    before = math.prod(src[d] for d in a[:p])
+                    t += [(sharded(b[0], sf), Shard(a[p])) for sf in _divisors(before)]
             if len(a) == 1:  # a split, the inverse
                 for q in range(1, len(b)):
-                    t += [(Shard(b[q]), _strided(a[0], sf)) for sf in _divisors(math.prod(dst[d] for d in b[:q]))]
+                    before = math.prod(dst[d] for d in b[:q])
+                    t += [(Shard(b[q]), sharded(a[0], sf)) for sf in _divisors(before)]
     if perm is not None:
         t = [(o, _moved(i, perm)) for o, i in t]
     return t + unit_presence(ins, outs)
@@ -246,7 +245,8 @@ def _blocks_reshape(src: tuple, dst: tuple, mesh_shape: tuple, src_chains: tuple
     return True
 
 
-def _group_exact(src: list[int], dst: list[int], mesh_shape: tuple, src_chains: list, dst_chains: list) -> bool:
+def _group_exact(src: list[int], dst: list[int], mesh_shape: tuple, src_chains: list,
+                 dst_chains: list) -> bool:
     # simulate only the mesh axes that cut the group: the layout is the same along the others
     axes = {a for chain in src_chains + dst_chains for a, _ in chain}
     pick = tuple(slice(None) if a in axes else 0 for a in range(len(mesh_shape)))
@@ -306,7 +306,8 @@ def _slice_check(params: dict, in_specs: tuple[Spec, ...], out_specs: tuple[Spec
 @register("slice", local=_slice_local, check=_slice_check)
 def _slice(ins, outs, params) -> list[tuple]:
     x, y = ins[0], outs[0]
-    head = [(d, d) for d in range(len(x.shape)) if y.shape[d] == 1 < x.shape[d]]  # x[s:s+1]: s on coordinate 0?
+    # x[s:s+1] of a sharded dim: is s on coordinate 0? (the check says)
+    head = [(d, d) for d in range(len(x.shape)) if y.shape[d] == 1 < x.shape[d]]
     return _kept(_whole(x, y) + head) + _partials(1, [True]) + unit_presence(ins, outs)
 
 
@@ -349,7 +350,8 @@ def _split(ins, outs, params) -> list[tuple]:
 def _iota_local(prim, params: dict, in_specs: tuple[Spec, ...], out_specs: tuple[Spec, ...]) -> Callable:
     spec, dim, dtype = out_specs[0], int(params["dimension"]), params["dtype"]
     # each position's global index along ``dim`` is the value (padding gets -1: garbage is allowed there)
-    return lambda: [lax.broadcast_in_dim(global_index(spec, dim).astype(dtype), spec.local_block_shape, (dim,))]
+    block = spec.local_block_shape
+    return lambda: [lax.broadcast_in_dim(global_index(spec, dim).astype(dtype), block, (dim,))]
 
 
 @register("iota", local=_iota_local)
