@@ -61,7 +61,7 @@ from .cost import CostModel
 from .placements import Placement, Replicate, StridedShard, format_placements, partial_ops_mix
 from .spec import Spec, cut_order, dim_layout
 
-__all__ = ["Step", "Plan", "plan_redistribute", "check_cost_model", "DEFAULT_COST_MODEL"]
+__all__ = ["Step", "Plan", "plan_redistribute", "plan_uncached", "check_cost_model", "DEFAULT_COST_MODEL"]
 
 DEFAULT_COST_MODEL = CostModel()
 COLLECTIVE_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "permute", "exchange")
@@ -458,6 +458,12 @@ class _Search:
                     back[node] = ((state, run), moved, "permute", None, None, sigma)
                     heapq.heappush(heap, (total, total, next(tie), dst, None))
         raise AssertionError(f"no redistribution path to {format_placements(self.decode(dst))}")
+
+
+def plan_uncached(spec: Spec, placements, cost_model: CostModel | None = None) -> Plan:
+    """``plan_redistribute``'s search itself, with no memo in front of it: what a benchmark of planning times."""
+    _padded_lengths.cache_clear()
+    return _plan.__wrapped__(spec, tuple(placements), cost_model or DEFAULT_COST_MODEL)
 
 
 @memo(16384)

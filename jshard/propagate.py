@@ -81,7 +81,7 @@ def select(prim: Any, params: dict, in_specs: Sequence[Spec], out_avals: Sequenc
     key = (name, frozen, tuple(in_specs), outs_key, consts, mesh, model, want)
     hit = _SELECTED.get(key)
     if hit is None:
-        sel = _Selection(name, params, tuple(in_specs), tuple(out_avals), model, consts, mesh, (frozen, outs_key),
+        sel = Selection(name, params, tuple(in_specs), tuple(out_avals), model, consts, mesh, (frozen, outs_key),
                          want)
         hit = sel.run()
         _SELECTED.put(key, hit)
@@ -92,11 +92,11 @@ def offered(prim: Any, params: dict, in_specs: Sequence[Spec], out_avals: Sequen
             consts: Sequence[Any] | None = None, mesh: Mesh | None = None) -> list[tuple]:
     """Every output placement tuple (one per output) the rules allow for inputs exactly as they are."""
     name = prim if isinstance(prim, str) else prim.name
-    sel = _Selection(name, params, tuple(in_specs), tuple(out_avals), DEFAULT_COST_MODEL,
+    sel = Selection(name, params, tuple(in_specs), tuple(out_avals), DEFAULT_COST_MODEL,
                      _consts_key(consts, len(in_specs)), mesh)
     per_axis = [sel.lookup.get(sel.current(m), []) for m in sel.active]
     found = []
-    for combo in _product(per_axis):
+    for combo in per_axis_product(per_axis):
         cand = sel.candidate(combo, keep_inputs=True)
         if cand is not None:
             outs = tuple(s.placements for s in cand[1])
@@ -213,16 +213,18 @@ def _score(p: Placement) -> int:
     return 1 if p.is_shard else 0
 
 
-def _product(lists):
+def per_axis_product(lists):
+    """Every combination taking one item from each list, in order (``itertools.product`` for the per-axis
+    options of a selection, lazily)."""
     if not lists:
         yield ()
         return
     for head in lists[0]:
-        for tail in _product(lists[1:]):
+        for tail in per_axis_product(lists[1:]):
             yield (head,) + tail
 
 
-class _Selection:
+class Selection:
     """One selection problem: the filled columns, the per-axis options and the search over them."""
 
     def __init__(self, name: str, params: dict, in_specs: tuple[Spec, ...], out_avals: tuple,

@@ -17,7 +17,7 @@ import jshard
 from conftest import make_mesh
 from jshard import Partial, Replicate, Shard, Spec, clear_caches
 from jshard.planner import DEFAULT_COST_MODEL
-from jshard.propagate import _product, _Selection, select
+from jshard.propagate import Selection, per_axis_product, select
 from jshard.validate.core import run_equation
 from oracle import assert_close, check_darray, local_blocks, placement_st, valid
 
@@ -112,9 +112,9 @@ def test_positive_constant_keeps_max_negative_swaps():
 
 def brute_force(prim, in_specs, out_avals):
     consts = (None,) * len(in_specs)
-    sel = _Selection(prim.name, {}, tuple(in_specs), tuple(out_avals), DEFAULT_COST_MODEL, consts, None)
+    sel = Selection(prim.name, {}, tuple(in_specs), tuple(out_avals), DEFAULT_COST_MODEL, consts, None)
     best = None
-    for combo in _product([sel.options(m) for m in sel.active]):
+    for combo in per_axis_product([sel.options(m) for m in sel.active]):
         cand = sel.candidate([c for _, c in combo])
         if cand is not None:
             key = tuple(sum(k[0][i] for k in combo) for i in range(3))

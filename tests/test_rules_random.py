@@ -139,7 +139,7 @@ def test_bits_64_bit_width():
 def test_linear_index_beyond_32_bits():
     # a draw with more than 2**32 elements: each dim's share g_j * stride_j is split into 32-bit limbs and
     # summed with carries; compare with numpy's uint64 sums (no need to draw 2**33 numbers)
-    from jshard.rules.random import _linear_index
+    from jshard.rules.random import linear_index
 
     rng = np.random.default_rng(0)
     shares = [rng.integers(2**31, 2**34, size=n, dtype=np.uint64) for n in (3, 4, 2)]
@@ -147,7 +147,7 @@ def test_linear_index_beyond_32_bits():
     shares[2][1] = 2**32 + 2**32 - 1
     limbs = [(jnp.asarray((s >> np.uint64(32)).astype(np.uint32)), jnp.asarray(s.astype(np.uint32)))  # (hi, lo)
              for s in shares]
-    hi, lo = _linear_index(limbs, (3, 4, 2))
+    hi, lo = linear_index(limbs, (3, 4, 2))
     want = shares[0][:, None, None] + shares[1][None, :, None] + shares[2][None, None, :]
     got = (np.asarray(hi).astype(np.uint64) << np.uint64(32)) | np.asarray(lo).astype(np.uint64)
     assert np.array_equal(got, want)

@@ -16,7 +16,7 @@ import jshard
 from conftest import make_mesh
 from jshard import Partial, Replicate, Shard, StridedShard
 from jshard.propagate import select
-from jshard.rules.reductions import _sort
+from jshard.rules.reductions import sort_strategies
 from jshard.validate import samples as sample_modules
 from jshard.validate.core import Sample, collect, run_equation, validate
 from oracle import assert_close, magnitude
@@ -145,7 +145,7 @@ def test_sort_rule_lists_payload_mixes():
     f = jax.core.ShapedArray((5, 6), jnp.float32)
     for payloads, mixes in ((2, 5 * 5 - 1), (4, 4 * 4 + 4)):  # beyond 3 payloads: one, or all alike
         n = 1 + payloads
-        t = _sort((f,) * n, (f,) * n, {"dimension": 1, "num_keys": 1})
+        t = sort_strategies((f,) * n, (f,) * n, {"dimension": 1, "num_keys": 1})
         pending = [c for c in t if any(p.is_partial for p in c)]
         assert len(t) == 1 + mixes and len(pending) == mixes
         assert all(c[0] == R and c[n] == R and c[:n] == c[n:] for c in pending)  # key Replicate, outs = ins

@@ -17,8 +17,8 @@ from jshard import Partial, Replicate, Shard, Spec, StridedShard
 from jshard.darray import DArray
 from jshard.engine import local_equation
 from jshard.propagate import select
-from jshard.rules.shapes import _blocks_reshape, unit_presence
-from jshard.validate.core import _walk, collect, run_equation, validate
+from jshard.rules.shapes import blocks_reshape, unit_presence
+from jshard.validate.core import collect, run_equation, validate, walk_samples
 from jshard.validate.samples import shapes as samples_module
 from oracle import check_darray, local_blocks
 
@@ -67,7 +67,7 @@ def shape_samples():
     for fn, args in samples_module.PROGRAMS:
         closed = jax.make_jaxpr(fn)(*args)
         got = []
-        _walk(closed.jaxpr, closed.consts, list(args), got, "shapes")
+        walk_samples(closed.jaxpr, closed.consts, list(args), got, "shapes")
         for s in got:
             found.setdefault(s.prim.name, []).append(s)
     return found
@@ -143,11 +143,11 @@ def test_reshape_keeps_shards_without_moving():
 
 def test_uneven_merge_is_refused_exactly():
     mesh_shape = (2, 4)
-    assert not _blocks_reshape((5, 3), (15,), mesh_shape, (((0, 1),), ()), (((0, 1),), ()))
-    assert _blocks_reshape((8, 4), (32,), mesh_shape, (((0, 1),), ((1, 1),)), (((0, 1), (1, 4)),))
-    assert not _blocks_reshape((8, 4), (32,), mesh_shape, (((0, 1),), ((1, 1),)), (((0, 1), (1, 8)),))
+    assert not blocks_reshape((5, 3), (15,), mesh_shape, (((0, 1),), ()), (((0, 1),), ()))
+    assert blocks_reshape((8, 4), (32,), mesh_shape, (((0, 1),), ((1, 1),)), (((0, 1), (1, 4)),))
+    assert not blocks_reshape((8, 4), (32,), mesh_shape, (((0, 1),), ((1, 1),)), (((0, 1), (1, 8)),))
     # pytorch#179502: a shard on the wrong dim; (4, 6) -> (6, 4) S(1) is not S(1) of the output
-    assert not _blocks_reshape((4, 6), (6, 4), mesh_shape, ((), ((1, 1),)), ((), ((1, 1),)))
+    assert not blocks_reshape((4, 6), (6, 4), mesh_shape, ((), ((1, 1),)), ((), ((1, 1),)))
 
 
 def test_reshape_with_a_fused_transpose():

@@ -76,7 +76,7 @@ def _count_tables(out_spec: Spec, first: int, shape: tuple[int, ...]) -> list[tu
     return tables
 
 
-def _linear_index(parts: list[tuple], block: tuple[int, ...]) -> tuple:
+def linear_index(parts: list[tuple], block: tuple[int, ...]) -> tuple:
     """``(hi, lo)`` uint32 arrays of ``block`` shape: the 64-bit sum over dims ``j`` of ``parts[j]``, a pair
     of (hi, lo) vectors along dim ``j`` (broadcast over the others), added limb by limb with carries."""
     hi = jnp.zeros(block, jnp.uint32)
@@ -103,7 +103,7 @@ def _bits_local(prim, params, in_specs, out_specs):
     dtype = jnp.dtype(f"uint{width}")
 
     def run(keys):
-        hi, lo = _linear_index([(thi(), tlo()) for thi, tlo in tables], block[kr:])
+        hi, lo = linear_index([(thi(), tlo()) for thi, tlo in tables], block[kr:])
         data = jax.random.key_data(keys)
         k1, k2 = (jnp.broadcast_to(jnp.reshape(data[..., i], data.shape[:-1] + (1,) * len(shape)), block)
                   for i in (0, 1))

@@ -138,7 +138,7 @@ _MAX_PAYLOAD_PRODUCT = 3  # beyond this many payloads, do not list every mix of 
 
 
 @register("sort")
-def _sort(ins, outs, params) -> list[tuple]:
+def sort_strategies(ins, outs, params) -> list[tuple]:
     n, dim = len(ins), int(params["dimension"])
     t = [(Φ(d),) * (2 * n) for d in range(len(ins[0].shape)) if d != dim]
     # operands that only follow the permutation: the payloads, or all of them when nothing moves

@@ -228,12 +228,12 @@ def _reshape(ins, outs, params) -> list[tuple]:
 
 def _reshape_exact(src: Spec, dst: Spec) -> bool:
     """Is every device's output block (padding aside) the row-major reshape of its input block?"""
-    return _blocks_reshape(src.shape, dst.shape, src.mesh_shape, tuple(map(src.chain, range(src.rank))),
+    return blocks_reshape(src.shape, dst.shape, src.mesh_shape, tuple(map(src.chain, range(src.rank))),
                            tuple(map(dst.chain, range(dst.rank))))
 
 
 @memo(4096)
-def _blocks_reshape(src: tuple, dst: tuple, mesh_shape: tuple, src_chains: tuple, dst_chains: tuple) -> bool:
+def blocks_reshape(src: tuple, dst: tuple, mesh_shape: tuple, src_chains: tuple, dst_chains: tuple) -> bool:
     if 0 in src:
         return True  # no elements: any blocks reshape (unit dims only ever hold presence)
     for a, b in _groups(src, dst):

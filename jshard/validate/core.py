@@ -80,7 +80,9 @@ def _is_key(x) -> bool:
     return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
 
 
-def _walk(jaxpr: jc.Jaxpr, consts, args, out: list, source: str):
+def walk_samples(jaxpr: jc.Jaxpr, consts, args, out: list, source: str) -> None:
+    """Evaluate ``jaxpr`` on concrete ``args`` and append a ``Sample`` per equation (nested jaxprs' too) to
+    ``out``: every equation of a sample program, with the values it really sees."""
     env = {}
     read = lambda v: v.val if isinstance(v, jc.Literal) else env[v]
     env.update(zip(jaxpr.constvars, consts))
@@ -90,7 +92,7 @@ def _walk(jaxpr: jc.Jaxpr, consts, args, out: list, source: str):
         for k, p in eqn.params.items():  # nested programs (jit, custom_jvp_call, ...) contribute their eqns
             inner = p.jaxpr if isinstance(p, jc.ClosedJaxpr) else None
             if inner is not None and k in ("jaxpr", "call_jaxpr") and len(inner.invars) == len(vals):
-                _walk(inner, p.consts, vals, out, source)
+                walk_samples(inner, p.consts, vals, out, source)
         res = eqn.primitive.bind(*vals, **eqn.primitive.get_bind_params(eqn.params))
         res = res if eqn.primitive.multiple_results else [res]
         out.append(Sample(eqn.primitive, dict(eqn.params),
@@ -122,7 +124,7 @@ def collect(names: Iterable[str] | None = None, per_signature: int = 2) -> dict[
             if wanted is not None and not wanted & _names(closed.jaxpr):
                 continue
             got: list[Sample] = []
-            _walk(closed.jaxpr, closed.consts, list(args), got, module.__name__.rsplit(".", 1)[-1])
+            walk_samples(closed.jaxpr, closed.consts, list(args), got, module.__name__.rsplit(".", 1)[-1])
             for s in got:
                 if wanted is None or s.prim.name in wanted:
                     sig = (s.prim.name, tuple((np.shape(v), str(v.dtype)) for v in s.values), tuple(s.literal),
