@@ -290,7 +290,7 @@ class Spec:
         >>> Spec.create(mesh, (StridedShard(0, 4), Shard(0)), (16, 8), "float32").to_partition_spec()
         P(('tp', 'dp'), None)
         >>> Spec.create(mesh, (Shard(1), Partial()), (16, 8), "float32").to_partition_spec()
-        P(None, 'dp', unreduced={'tp'})
+        P(None, 'dp', unreduced={'tp'}...)
         """
         names = self.mesh.axis_names
         entries = []

@@ -231,9 +231,18 @@ def test_transposed_gradient_of_a_replicate_parameter_stays_partial(loss, n_para
 # 004: a reduction over several mesh axes is one collective; the replicas agree bitwise
 
 
-def _replica_groups(text: str) -> list[list[str]]:
-    """Per stablehlo.all_reduce: its replica groups as text ("[[0, 1, ...]]")."""
-    return re.findall(r'"stablehlo\.all_reduce".*?replica_groups = dense<(\[\[.*?\]\])>', text)
+def _replica_groups(text: str, mesh) -> list[set]:
+    """Per stablehlo.all_reduce: its device groups. jax <= 0.10 writes them as a dense list ("[[0, 1, ...]]");
+    jax >= 0.11 names the mesh axes it reduces over (replica_group_mesh_axes)."""
+    groups = []
+    for dense, axes in re.findall(r'"stablehlo\.all_reduce".*?replica_groups = (?:dense<(\[\[.*?\]\])>|'
+                                  r'#stablehlo\.replica_group_mesh_axes<[^>]*?axes = \[(.*?)\]>)', text):
+        if dense:
+            groups.append(_parse_groups(dense))
+        else:
+            names = re.findall(r'name = "(\w+)"', axes)
+            groups.append(_groups(mesh, [list(mesh.axis_names).index(n) for n in names]))
+    return groups
 
 
 def _groups(mesh, axes) -> set:
@@ -272,9 +281,9 @@ def test_a_reduction_over_two_mesh_axes_is_one_collective(reduce):
         assert_close(full(out), Y.astype(np.float64).sum(), n=Y.size, terms=np.abs(Y).sum(), dtype=np.float32)
     _assert_replicas_bitwise_equal(out)
     text = f.lower(y).as_text()
-    groups = _replica_groups(text)
+    groups = _replica_groups(text, mesh)
     assert text.count("stablehlo.all_reduce") == 1 and len(groups) == 1, groups
-    assert _parse_groups(groups[0]) == _groups(mesh, [0, 1])  # over both axes at once
+    assert groups[0] == _groups(mesh, [0, 1])  # over both axes at once
 
 
 def test_partial_on_two_of_three_axes_reduces_with_one_collective():
@@ -292,6 +301,6 @@ def test_partial_on_two_of_three_axes_reduces_with_one_collective():
     assert_close(full(out), np.tanh(value), n=4, terms=sum(np.abs(p) for p in parts.values()), dtype=np.float32)
     _assert_replicas_bitwise_equal(out)
     text = f.lower(a).as_text()
-    groups = _replica_groups(text)
+    groups = _replica_groups(text, mesh)
     assert text.count("stablehlo.all_reduce") == 1 and len(groups) == 1, groups
-    assert _parse_groups(groups[0]) == _groups(mesh, [0, 2])
+    assert groups[0] == _groups(mesh, [0, 2])

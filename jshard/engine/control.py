@@ -19,6 +19,7 @@ from jax.extend import core as jc
 from ..placements import Replicate
 from ..propagate import Choice
 from ..spec import Spec
+from .jaxcompat import scan_counts
 from .kernel import local_function
 from .walk import JaxprPlan, control, move_cost, plan_jaxpr
 
@@ -47,7 +48,7 @@ def settle_carry(make: Callable, init: list[Spec], trips: int, rounds: int = 3) 
 @control("scan")
 def plan_scan(eqn: jc.JaxprEqn, specs: list[Spec], mesh) -> tuple[Choice, Callable, tuple]:
     p = eqn.params
-    nc, nk = p["num_consts"], p["num_carry"]
+    nc, nk = scan_counts(p)
     body: jc.ClosedJaxpr = p["jaxpr"]
     consts, init, xs = specs[:nc], specs[nc:nc + nk], [_unshard_dim0(s) for s in specs[nc + nk:]]
     x_iter = [_shift(s, s.shape[1:], -1) for s in xs]

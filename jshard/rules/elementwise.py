@@ -104,7 +104,8 @@ BITWISE_NOT = ("not",)
 INTEGER_POW = ("integer_pow",)
 # neither linear nor monotone: shards only
 UNARY_PLAIN = ("abs", "square", "sin", "cos", "tan", "asin", "acos", "atanh", "cosh", "lgamma", "digamma",
-               "erf_inv", "is_finite", "population_count", "clz", "bessel_i0e", "bessel_i1e")
+               "erf_inv", "is_finite", "population_count", "clz", "bessel_i0e", "bessel_i1e",
+               "one_minus_square")  # 1 - x**2: tanh's derivative, emitted by jax.grad since jax 0.11
 
 
 def _integer_pow(ins, outs, params) -> list[tuple]:
