@@ -28,7 +28,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.extend import source_info_util
 
 from .arguments import (
     argnums,
@@ -46,6 +45,7 @@ from .caches import Cache
 from .darray import DArray, distribute
 from .engine import Program, compile_program, constrain_p, constrain_target, replicated, trace
 from .explanation import Explanation, explanation
+from .jaxcompat import source_info_util
 from .placements import Placement, Replicate
 
 __all__ = ["Jitted", "constrain", "explain", "jit", "same_as"]

@@ -25,10 +25,10 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import source_info_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .cost import CostModel
+from .jaxcompat import source_info_util
 from .lowering import compile_plan
 from .placements import Placement, Replicate
 from .planner import check_cost_model, plan_redistribute

@@ -22,12 +22,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import source_info_util
 
 from .api import jit
 from .arguments import by_value, function_name
 from .caches import Cache
 from .darray import DArray
+from .jaxcompat import source_info_util
 
 __all__ = ["apply"]
 

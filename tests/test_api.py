@@ -175,6 +175,25 @@ def test_constrain_pins_an_intermediate_and_is_transparent_to_gradients():
     assert_close(f(X, W), jax.jit(f)(X, W), n=12 + 64)  # outside jshard.jit: the identity
 
 
+def test_an_optimization_barrier_keeps_each_operand_as_it_is():
+    # remat and erf's derivative put barriers between values of any placement: a Partial passes unreduced
+    mesh = make_mesh((2, 4))
+    rng = np.random.default_rng(7)
+    X, Y = rng.normal(size=(8, 12)).astype(np.float32), rng.normal(size=(8, 12)).astype(np.float32)
+    x = jshard.distribute(X, mesh, (Shard(0), R))
+    y = jshard.distribute(Y, mesh, (R, Shard(1)))
+
+    def f(x, y):
+        a, b = jax.lax.optimization_barrier((x @ y.T, y))
+        return a, b
+
+    a, b = jshard.jit(f)(x, y)
+    assert (a.placements, b.placements) == ((Shard(0), Partial()), (R, Shard(1)))
+    assert jshard.explain(f, x, y).totals == {}
+    assert_close(a.full(), X @ Y.T, n=12, terms=np.abs(X) @ np.abs(Y).T)
+    np.testing.assert_array_equal(b.full(), Y)
+
+
 STABLEHLO = {"all_gather": "stablehlo.all_gather", "all_reduce": "stablehlo.all_reduce",
              "reduce_scatter": "stablehlo.reduce_scatter", "all_to_all": "stablehlo.all_to_all",
              "permute": "stablehlo.collective_permute", "exchange": "stablehlo.collective_permute"}

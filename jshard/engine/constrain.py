@@ -7,9 +7,7 @@ own sharding constraints do, unless ``pin_gradient=False``.
 
 from __future__ import annotations
 
-from jax.extend import core as jc
-from jax.interpreters import ad, batching, mlir
-
+from ..jaxcompat import ad, batching, jc, mlir
 from ..spec import Spec, format_mesh
 
 __all__ = ["constrain_p", "constrain_target"]

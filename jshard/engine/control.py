@@ -14,12 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
-from jax.extend import core as jc
 
+from ..jaxcompat import cond_branches, jc, scan_params, while_params
 from ..placements import Replicate
 from ..propagate import Choice
 from ..spec import Spec
-from .jaxcompat import scan_counts
 from .kernel import local_function
 from .walk import JaxprPlan, control, move_cost, plan_jaxpr
 
@@ -47,9 +46,8 @@ def settle_carry(make: Callable, init: list[Spec], trips: int, rounds: int = 3) 
 
 @control("scan")
 def plan_scan(eqn: jc.JaxprEqn, specs: list[Spec], mesh) -> tuple[Choice, Callable, tuple]:
-    p = eqn.params
-    nc, nk = scan_counts(p)
-    body: jc.ClosedJaxpr = p["jaxpr"]
+    p = scan_params(eqn)
+    nc, nk, body = p.consts, p.carry, p.body
     consts, init, xs = specs[:nc], specs[nc:nc + nk], [_unshard_dim0(s) for s in specs[nc + nk:]]
     x_iter = [_shift(s, s.shape[1:], -1) for s in xs]
 
@@ -57,15 +55,15 @@ def plan_scan(eqn: jc.JaxprEqn, specs: list[Spec], mesh) -> tuple[Choice, Callab
         plan = plan_jaxpr(body, consts + carry + x_iter, mesh)
         return plan, plan.out_specs[:nk]
 
-    cost, carry, plan = settle_carry(make, init, p["length"])
-    ys = [_shift(s, (p["length"],) + s.shape, +1) for s in plan.out_specs[nk:]]
+    cost, carry, plan = settle_carry(make, init, p.length)
+    ys = [_shift(s, (p.length,) + s.shape, +1) for s in plan.out_specs[nk:]]
     pins = carry + [None] * len(ys)
     fn = local_function(plan, pins)
 
     def kernel(*blocks):
         c, k0, x = blocks[:nc], blocks[nc:nc + nk], blocks[nc + nk:]
         step = lambda k, xi: (lambda o: (o[:nk], o[nk:]))(fn(*c, *k, *xi))
-        k1, y = jax.lax.scan(step, list(k0), list(x), length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+        k1, y = jax.lax.scan(step, list(k0), list(x), length=p.length, reverse=p.reverse, unroll=p.unroll)
         return list(k1) + list(y)
 
     ins = consts + carry + xs
@@ -76,16 +74,16 @@ def plan_scan(eqn: jc.JaxprEqn, specs: list[Spec], mesh) -> tuple[Choice, Callab
 
 @control("while")
 def plan_while(eqn: jc.JaxprEqn, specs: list[Spec], mesh) -> tuple[Choice, Callable, tuple]:
-    p = eqn.params
-    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    p = while_params(eqn)
+    cn, bn = p.cond_consts, p.body_consts
     cconsts, bconsts, init = specs[:cn], specs[cn:cn + bn], specs[cn + bn:]
 
     def make(carry):
-        plan = plan_jaxpr(p["body_jaxpr"], bconsts + carry, mesh)
+        plan = plan_jaxpr(p.body, bconsts + carry, mesh)
         return plan, plan.out_specs
 
     cost, carry, body = settle_carry(make, init, WHILE_TRIPS)
-    cond = plan_jaxpr(p["cond_jaxpr"], cconsts + carry, mesh)
+    cond = plan_jaxpr(p.cond, cconsts + carry, mesh)
     whole = [s.with_placements((Replicate(),) * mesh.devices.ndim) for s in cond.out_specs]
     body_fn, cond_fn = local_function(body, carry), local_function(cond, whole)  # every device takes one branch
 
@@ -100,7 +98,7 @@ def plan_while(eqn: jc.JaxprEqn, specs: list[Spec], mesh) -> tuple[Choice, Calla
 
 @control("cond")
 def plan_cond(eqn: jc.JaxprEqn, specs: list[Spec], mesh) -> tuple[Choice, Callable, tuple]:
-    branches = eqn.params["branches"]
+    branches = cond_branches(eqn)
     index = specs[0].with_placements((Replicate(),) * mesh.devices.ndim)  # every device takes the same branch
     ops = specs[1:]
     plans = [plan_jaxpr(b, ops, mesh) for b in branches]

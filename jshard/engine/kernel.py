@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax.numpy as jnp
-from jax.extend import core as jc
 
+from ..jaxcompat import jc
 from ..lowering import local_program
 from ..planner import Plan, plan_redistribute
-from ..rules.registry import rule_for
+from ..rules.registry import has_rule, rule_for
 from .constrain import constrain_p
 from .walk import REUSED, JaxprPlan
 
@@ -29,7 +29,7 @@ def local_equation(prim, params: dict, in_specs, out_specs) -> Callable:
     Most primitives simply run on the local blocks; a rule supplies its own local form where params hold
     global sizes or a device needs its offsets (iota, reshape, gathers from a sharded table, RNG).
     """
-    rule = rule_for(prim)
+    rule = rule_for(prim) if has_rule(prim) else None  # the walk warned already, naming the user's line
     if rule is not None and rule.local is not None:
         return rule.local(prim, params, tuple(in_specs), tuple(out_specs))
     bind = prim.get_bind_params(params)

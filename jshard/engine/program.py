@@ -18,10 +18,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import source_info_util
 from jax.sharding import Mesh, PartitionSpec
 
 from ..darray import DeletedArrayError, donation_of, donation_slot
+from ..jaxcompat import source_info_util
 from ..spec import Spec
 from .kernel import communicates, local_function
 from .walk import JaxprPlan, plan_jaxpr

@@ -21,10 +21,9 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.extend import core as jc
-from jax.extend.source_info_util import summarize
 from jax.sharding import Mesh
 
+from ..jaxcompat import inlined_call, jc, open_jaxpr, source_info_util
 from ..placements import Replicate
 from ..planner import Plan, plan_redistribute
 from ..propagate import Choice, select
@@ -32,13 +31,8 @@ from ..rules.registry import has_rule, rule_for
 from ..spec import Spec
 from .constrain import constrain_p, constrain_target
 
-__all__ = ["CALLS", "EquationPlan", "JaxprPlan", "Operand", "REUSED", "Value", "control", "move_cost", "plan_jaxpr",
+__all__ = ["EquationPlan", "JaxprPlan", "Operand", "REUSED", "Value", "control", "move_cost", "plan_jaxpr",
            "replicated"]
-
-# calls whose body runs as it is: followed inline (autodiff already happened when the jaxpr was traced)
-CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
-         "custom_vjp_call": "call_jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr"}
-
 
 class Value:
     """A value of the walked program. Inlined jaxprs are walked once per call site and share their Var objects
@@ -83,6 +77,7 @@ class EquationPlan:
     @property
     def source(self) -> str:
         """The user's line that made this equation."""
+        summarize = source_info_util.summarize
         return summarize(self.eqn.source_info) or (summarize(self.site) if self.site is not None else "")
 
 
@@ -100,6 +95,20 @@ class JaxprPlan:
         """Estimated µs of communication (loops weighted by their trip counts)."""
         return sum(eq.choice.cost for eq in self.equations)
 
+    def without_rules(self) -> list[str]:
+        """Names of the primitives, here and in control-flow bodies, that had no sharding rule and so ran
+        replicated (each warned once when planned)."""
+        names = set()
+        for eq in self.equations:
+            prim = eq.eqn.primitive
+            if not (prim is constrain_p or prim.name in _AS_THEY_ARE or prim.name in _CONTROL or has_rule(prim)):
+                names.add(prim.name)
+            names.update(n for _, body, _ in eq.bodies for n in body.without_rules())
+        return sorted(names)
+
+
+# identities on each operand, whatever its placement (a Partial included): they run on the blocks as they are
+_AS_THEY_ARE = frozenset({"optimization_barrier"})
 
 # control flow: name -> walk(eqn, specs, mesh) -> (Choice, local kernel, bodies); see jshard.engine.control
 _CONTROL: dict[str, Callable] = {}
@@ -172,13 +181,11 @@ def _walk(jaxpr: jc.Jaxpr, in_vars: list, env: dict, equations: list, mesh: Mesh
 
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        sub = CALLS.get(name)
-        if sub is not None and sub in eqn.params:
-            inner = eqn.params[sub]
-            inner_jaxpr = inner.jaxpr if isinstance(inner, jc.ClosedJaxpr) else inner
-            consts = list(inner.consts) if isinstance(inner, jc.ClosedJaxpr) else []
+        inner = inlined_call(eqn)
+        if inner is not None:
+            inner_jaxpr, consts = open_jaxpr(inner)
             const_vars = [jc.Literal(c, jax.typeof(c)) for c in consts]
-            here = eqn.source_info if summarize(eqn.source_info) else site
+            here = eqn.source_info if source_info_util.summarize(eqn.source_info) else site
             outs = _walk_closed(inner_jaxpr, const_vars, [outer(v) for v in eqn.invars], env, equations, mesh, here)
             for o, r in zip(eqn.outvars, outs):
                 if not isinstance(o, jc.DropVar):
@@ -200,6 +207,8 @@ def _walk(jaxpr: jc.Jaxpr, in_vars: list, env: dict, equations: list, mesh: Mesh
         if eqn.primitive is constrain_p:
             target = constrain_target(specs[0], eqn.params["placements"])
             choice = Choice((target,), (target,), 0.0, None)
+        elif name in _AS_THEY_ARE:
+            choice = Choice(tuple(specs), tuple(specs), 0.0, None)
         elif name in _CONTROL:
             choice, kernel, bodies = _CONTROL[name](eqn, specs, mesh)
         else:

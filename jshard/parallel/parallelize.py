@@ -37,13 +37,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.extend import source_info_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..api import constrain, jit
 from ..arguments import is_darray
 from ..caches import memo
 from ..darray import DArray, distribute
+from ..jaxcompat import source_info_util
 from ..placements import Placement, Replicate
 from ..spec import Spec, format_mesh
 from .styles import ParallelStyle

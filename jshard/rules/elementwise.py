@@ -95,7 +95,7 @@ NON_DECREASING = ("exp", "exp2", "expm1", "tanh", "logistic", "sinh", "asinh", "
 # non-increasing on their whole domain: max and min swap
 NON_INCREASING = ("erfc",)
 # non-decreasing, but defined only on [a, inf): P(min) alone passes (see algebra.monotone)
-DOMAIN_LIMITED = ("log", "log1p", "sqrt", "acosh")
+DOMAIN_LIMITED = ("log", "log2", "log1p", "sqrt", "acosh")  # log2: its own primitive since jax 0.12
 # non-increasing on (0, inf), defined only there: P(min) in, P(max) out
 DOMAIN_LIMITED_DECREASING = ("rsqrt",)
 # ~x = -x - 1 on integers: order-reversing; on bools no algebra
@@ -225,6 +225,15 @@ def _clamp(ins, outs, params) -> list[tuple]:
     return t + [(MAX, MAX, MAX, R), (MIN, R, MIN, MIN), (MIN, MIN, R, MIN)]
 
 
+def _polynomial(ins, outs, params) -> list[tuple]:
+    # p(x) = sum_k a_k x**k (a primitive since jax 0.12; erf's derivative emits one) is linear in its
+    # coefficients together: with x Replicate, coefficients pending alike give p's pending sum or average;
+    # and p is non-decreasing in its constant term a_0, so P(max) / P(min) pass there (in a_2 too for real x,
+    # but not in IEEE: an infinite part times x**2 = 0 is NaN)
+    n = len(ins)
+    return [(p, R) + (p,) * (n - 1) for p in linear(outs[0].dtype)] + monotone(n, 1, True)
+
+
 def _kind(dtype) -> str:
     """'b', 'i' (signed or unsigned), 'f' or 'c'; bfloat16 and the float8s are 'f' (numpy says 'V')."""
     families = (("b", jnp.bool_), ("i", jnp.integer), ("f", jnp.floating), ("c", jnp.complexfloating))
@@ -266,6 +275,7 @@ _OTHERS: tuple[tuple[tuple[str, ...], _Keeps], ...] = (
     (("select_n",), _select_n),
     (("clamp",), _clamp),
     (("convert_element_type",), _convert),
+    (("polynomial",), _polynomial),
 )
 
 

@@ -34,8 +34,8 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.random import threefry2x32_p
 
+from ..jaxcompat import threefry2x32_p
 from ..local import PerDevice
 from ..spec import Spec
 from .algebra import R, pointwise

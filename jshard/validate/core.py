@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jc
 from jax.sharding import Mesh
 
 from ..engine import local_equation
+from ..jaxcompat import inlined_call, jc, open_jaxpr
 from ..placements import REDUCE_OPS, Partial, Placement, Replicate, Shard
 from ..propagate import offered, params_key
 from ..rules.registry import registered, rule_for
@@ -89,10 +89,9 @@ def walk_samples(jaxpr: jc.Jaxpr, consts, args, out: list, source: str) -> None:
     env.update(zip(jaxpr.invars, args))
     for eqn in jaxpr.eqns:
         vals = [read(v) for v in eqn.invars]
-        for k, p in eqn.params.items():  # nested programs (jit, custom_jvp_call, ...) contribute their eqns
-            inner = p.jaxpr if isinstance(p, jc.ClosedJaxpr) else None
-            if inner is not None and k in ("jaxpr", "call_jaxpr") and len(inner.invars) == len(vals):
-                walk_samples(inner, p.consts, vals, out, source)
+        call = inlined_call(eqn)  # nested programs (jit, custom_jvp_call, ...) contribute their eqns
+        if call is not None:
+            walk_samples(*open_jaxpr(call), vals, out, source)
         res = eqn.primitive.bind(*vals, **eqn.primitive.get_bind_params(eqn.params))
         res = res if eqn.primitive.multiple_results else [res]
         out.append(Sample(eqn.primitive, dict(eqn.params),

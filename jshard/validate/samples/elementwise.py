@@ -5,7 +5,6 @@ import jax.numpy as jnp
 import jax.scipy.special
 import numpy as np
 from jax import lax
-from jax.extend.core.primitives import copy_p
 
 from .values import arr
 
@@ -24,15 +23,23 @@ _BINARY = [lax.add, lax.sub, lax.mul, lax.div, lax.max, lax.min, lax.pow, lax.at
 _INT_BINARY = [lax.add, lax.sub, lax.mul, lax.div, lax.rem, lax.max, lax.min, lax.bitwise_and, lax.bitwise_or,
                lax.bitwise_xor, lax.shift_left, lax.shift_right_logical, lax.shift_right_arithmetic]
 
+# primitives of newer JAX releases (older ones emit other primitives for the same math)
+_NEWER_UNARY = [getattr(lax, n) for n in ("one_minus_square",) if hasattr(lax, n)]
+_NEWER_POSITIVE = [lax.log2] if hasattr(lax, "log2_p") else []
+_POLYNOMIAL = getattr(lax, "polynomial", None)
+
 PROGRAMS = []
 for s in _SHAPES:
     x, y, p = arr(s), arr(s, salt=1), arr(s, positive=True)
-    PROGRAMS += [(f, (x,)) for f in _UNARY]
+    PROGRAMS += [(f, (x,)) for f in _UNARY + _NEWER_UNARY] + [(f, (p,)) for f in _NEWER_POSITIVE]
+    if _POLYNOMIAL is not None:  # constant coefficients, and coefficients that are operands (Partial-able)
+        PROGRAMS += [(lambda a: _POLYNOMIAL(a, [1.0, -0.5, 0.25, 2.0]), (x,)),
+                     (lambda a, c0, c2: _POLYNOMIAL(a, [c0, 0.5, c2]), (x, y, p))]
     special = np.where(x > 3, np.inf, np.where(x < -4, np.nan, x)).astype(np.float32)
     PROGRAMS += [(lax.is_finite, (special,))] + [(f, (p,)) for f in _POSITIVE + [lax.log, lax.sqrt]]
     PROGRAMS += [(f, (x, y)) for f in _BINARY]
     PROGRAMS += [(lax.bessel_i0e, (x,)), (lax.bessel_i1e, (x,)), (lambda a: lax.conj(lax.complex(a, a * 2.0)), (x,)),
-                 (lambda a: copy_p.bind(a), (x,))]
+                 (jnp.copy, (x,))]
     PROGRAMS += [(f, (p, arr(s, positive=True, salt=4))) for f in (lax.igamma, lax.igammac, lax.igamma_grad_a)]
     PROGRAMS += [(lax.zeta, (p + 1.0, p)), (lax.polygamma, (np.ones(s, np.float32), p)),
                  (jax.scipy.special.betainc, (p, arr(s, positive=True, salt=5), np.full(s, 0.3, np.float32)))]

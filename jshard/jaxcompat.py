@@ -1,0 +1,112 @@
+"""What jshard needs from JAX beyond its public API, and JAX's equation params read alike on every supported JAX.
+
+jshard reads and replays jaxprs, so it leans on more of JAX than a model does. This module is the one place
+that names those pieces; the rest of jshard imports them from here, so a JAX release that moves one of them
+is fixed in one line. jshard supports jax 0.10.2 to the newest release (0.12 when this was written).
+
+**The non-public names**, why jshard needs each, and what would replace it:
+
+=========================  ===================================================  ==================================
+name here (from)           why                                                  public replacement
+=========================  ===================================================  ==================================
+``jc``                     walk, replay and build jaxprs: ``Jaxpr``,            none: ``jax.extend`` is JAX's
+(``jax.extend.core``)      ``ClosedJaxpr``, ``JaxprEqn``, ``Literal``,          own API for code that reads
+                           ``DropVar``, ``Primitive``, ``jaxprs_in_params``     jaxprs
+``source_info_util``       name the user's line in warnings and errors, and     none (``jax.extend``)
+(``jax.extend``)           keep jshard's own frames out of it
+``ad``, ``batching``,      the ``jshard_constrain`` primitive's transpose,      none: a marked identity that
+``mlir``                   vmap and lowering                                    survives ``make_jaxpr`` needs a
+(``jax.interpreters``)                                                          primitive
+``threefry2x32_p``         partitionable random bits: each device hashes its    ``jax.extend.random.threefry_2x32``
+(``jax.extend.random``)    own counters with the key's words                    takes one key, not per-element keys
+=========================  ===================================================  ==================================
+
+``jax.core.Tracer`` and ``jax.core.ShapedArray`` are public (``jax.core`` keeps them) and are used as they are.
+Nothing in jshard imports ``jax._src``.
+
+**Equation params.** Control-flow and call primitives change their params between releases: jax 0.11 replaced
+scan's ``num_consts`` / ``num_carry`` by ``ft_in`` / ``ft_out`` flat trees, and jax 0.12 merged
+``ClosedJaxpr`` into ``Jaxpr`` (a jaxpr carries its consts). The engine reads them only through
+``inlined_call``, ``scan_params``, ``while_params``, ``cond_branches`` and ``open_jaxpr``:
+
+>>> import jax, jax.numpy as jnp
+>>> closed = jax.make_jaxpr(lambda c, xs: jax.lax.scan(lambda k, x: (k + x, k), c, xs))(0.0, jnp.ones(3))
+>>> s = scan_params(closed.jaxpr.eqns[0])
+>>> s.consts, s.carry, s.length
+(0, 1, 3)
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from jax.extend import core as jc
+from jax.extend import source_info_util
+from jax.extend.random import threefry2x32_p
+from jax.interpreters import ad, batching, mlir
+
+__all__ = ["Scan", "While", "ad", "batching", "cond_branches", "inlined_call", "jc", "mlir", "open_jaxpr",
+           "scan_params", "source_info_util", "threefry2x32_p", "while_params"]
+
+# calls whose body runs as it is, by the param holding the body: the engine follows them inline (autodiff
+# already happened when the jaxpr was traced); ``remat2`` is ``jax.checkpoint``, named ``checkpoint`` in the
+# jaxpr's printout
+_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
+          "custom_vjp_call": "call_jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr"}
+
+
+class Scan(NamedTuple):
+    """A ``scan`` equation's params. Its operands are ``consts + carry + xs``; its results ``carry + ys``."""
+
+    consts: int
+    carry: int
+    length: int
+    reverse: bool
+    unroll: Any
+    body: Any  # a closed jaxpr of (consts, carry, x slices) -> (carry, y slices)
+
+
+class While(NamedTuple):
+    """A ``while`` equation's params. Its operands are ``cond consts + body consts + carry``."""
+
+    cond_consts: int
+    body_consts: int
+    cond: Any  # closed jaxpr: (cond consts, carry) -> bool
+    body: Any  # closed jaxpr: (body consts, carry) -> carry
+
+
+def open_jaxpr(jaxpr: Any) -> tuple[jc.Jaxpr, list]:
+    """``(jaxpr, consts)`` of a closed jaxpr (``ClosedJaxpr`` up to jax 0.11, a ``Jaxpr`` holding its consts
+    since 0.12) or of an open one (no consts)."""
+    if isinstance(jaxpr, jc.ClosedJaxpr):
+        return jaxpr.jaxpr, list(jaxpr.consts)
+    return jaxpr, list(getattr(jaxpr, "consts", None) or [])
+
+
+def inlined_call(eqn: jc.JaxprEqn) -> Any | None:
+    """The body of a call the engine follows inline (``jit``, ``custom_jvp_call``, ``checkpoint``, ...), or None
+    for any other equation."""
+    key = _CALLS.get(eqn.primitive.name)
+    return eqn.params.get(key) if key is not None else None
+
+
+def scan_params(eqn: jc.JaxprEqn) -> Scan:
+    """The params of a ``scan`` equation, on every supported JAX."""
+    p = eqn.params
+    if "num_consts" in p:  # jax <= 0.10
+        consts, carry = p["num_consts"], p["num_carry"]
+    else:  # jax >= 0.11: flat trees of (consts, carry, xs)
+        c, k, _ = p["ft_in"].unpack()
+        consts, carry = len(c), len(k)
+    return Scan(consts, carry, p["length"], p["reverse"], p["unroll"], p["jaxpr"])
+
+
+def while_params(eqn: jc.JaxprEqn) -> While:
+    """The params of a ``while`` equation."""
+    p = eqn.params
+    return While(p["cond_nconsts"], p["body_nconsts"], p["cond_jaxpr"], p["body_jaxpr"])
+
+
+def cond_branches(eqn: jc.JaxprEqn) -> list:
+    """The closed jaxprs of a ``cond`` equation's branches, in index order."""
+    return list(eqn.params["branches"])
