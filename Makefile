@@ -2,6 +2,9 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
+# the newest releases (jax, flax, optax, numpy) need a newer Python than the floor's 3.11
+NEWEST_PYTHON ?= $(shell .ci/find-python 3.12 2>/dev/null)
+NEWEST        := .venv-newest
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -9,12 +12,23 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-.PHONY: demo test test-all bench clean
+$(NEWEST)/.installed: pyproject.toml
+	@test -n "$(NEWEST_PYTHON)" || { echo "no Python 3.12 found: set NEWEST_PYTHON=/path/to/python3.12"; exit 1; }
+	$(NEWEST_PYTHON) -m venv $(NEWEST)
+	$(NEWEST)/bin/python -m pip install -q --upgrade pip
+	$(NEWEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e '.[test]'
+	touch $@
+
+.PHONY: demo test test-all test-newest bench clean
 demo: $(VENV)/.installed
 	$(PY) -m jshard.demo
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --durations=25 tests
+
+# the same suite on the newest releases (what `pip install jshard` gives on Python 3.12 today)
+test-newest: $(NEWEST)/.installed
+	$(NEWEST)/bin/python -m pytest -q -n 2 --durations=10 tests
 
 test-all: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 -m "" tests
@@ -26,4 +40,4 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/train_step.py
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(NEWEST) *.egg-info

@@ -19,6 +19,7 @@ DArray(f32[10,2] (S(0), R) on mesh(dp=2, tp=4))
 from __future__ import annotations
 
 import collections
+import math
 import os
 from collections.abc import Callable, Sequence
 
@@ -30,11 +31,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from .cost import CostModel
 from .jaxcompat import source_info_util
 from .lowering import compile_plan
-from .placements import Placement, Replicate
+from .placements import Placement, Replicate, format_placements
 from .planner import check_cost_model, plan_redistribute
 from .spec import Spec, block_sharding, check_dtype, check_mesh, format_mesh
 
-__all__ = ["DArray", "DeletedArrayError", "distribute", "from_local", "from_jax"]
+__all__ = ["DArray", "DeletedArrayError", "distribute", "from_local", "from_process_local", "from_jax"]
 
 # equations are attributed to the user's line: jshard's own wrappers are not it
 source_info_util.register_exclusion(os.path.abspath(__file__))
@@ -44,8 +45,8 @@ source_info_util.register_exclusion(os.path.abspath(__file__))
 class DArray:
     """A distributed array: block storage plus the spec that says what each block means.
 
-    Build one with ``distribute``, ``from_local`` or ``from_jax``; the constructor takes the block array
-    as is (its shape must be ``spec.block_shape``). Its arithmetic operators, indexing and reductions
+    Build one with ``distribute``, ``from_local``, ``from_process_local`` or ``from_jax``; the constructor takes
+    the block array as is (its shape must be ``spec.block_shape``). Its arithmetic operators, indexing and reductions
     (``x + y``, ``x @ w``, ``x[1:]``, ``x.sum()``) are attached by ``jshard.operators``, above the engine.
     """
 
@@ -182,6 +183,9 @@ def distribute(x, mesh: Mesh, placements: Sequence[Placement]) -> DArray:
 
     Each device keeps its own shards. A ``Partial`` placement is exact: for ``sum`` the value sits on
     coordinate 0 and zeros elsewhere; ``avg``, ``max`` and ``min`` keep the value on every coordinate.
+    A host value (numpy, scalars, lists) is cut on the host: each device receives only its own block, with no
+    collective. On multi-host meshes every process passes the same whole ``x`` and fills its own devices
+    (``from_process_local`` takes only a process's part).
 
     >>> import jax, numpy as np; from jshard import Shard, Partial
     >>> x = distribute(np.arange(6.0), jax.make_mesh((2, 4), ("dp", "tp")), [Partial(), Shard(0)])
@@ -194,11 +198,16 @@ def distribute(x, mesh: Mesh, placements: Sequence[Placement]) -> DArray:
     _check_array_live(x, "distribute: x")
     if not isinstance(x, (jax.Array, np.ndarray)):
         try:
-            x = jnp.asarray(x)  # scalars and lists: the dtype JAX gives them
+            # scalars and lists: the dtype JAX gives them (weak types, x64), then back to the host; they are
+            # built in Python, so small
+            x = np.asarray(jnp.asarray(x))
         except (TypeError, ValueError) as e:
             raise TypeError(f"distribute: x must be an array (numpy, jax, or a nested list of numbers), got "
                             f"{type(x).__name__} {x!r:.60}: {e}") from None
     spec = Spec.create(mesh, placements, x.shape, x.dtype, where="distribute")
+    if isinstance(x, np.ndarray):
+        return DArray(_host_blocks(spec, x), spec)
+    # already on devices (PRNG keys included): the device-side plan from Replicate
     replicated = spec.with_placements((Replicate(),) * len(spec.placements))
     plan = plan_redistribute(replicated, spec.placements)
     x = jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
@@ -266,6 +275,65 @@ def from_local(locals: Sequence, mesh: Mesh, placements: Sequence[Placement], sh
     return DArray(block, spec)
 
 
+def from_process_local(local_rows, mesh: Mesh, placements: Sequence[Placement], shape=None) -> DArray:
+    """Build a DArray from this process's part of the global value: ``jax.make_array_from_process_local_data``
+    for placements.
+
+    Each process passes only what its own devices hold (a per-host data loader's batch). Precisely: for every
+    tensor dim, the shards held by this process's addressable devices must cover one contiguous range of global
+    indices ``lo:hi`` (the whole dim where no mesh axis shards it), and ``local_rows`` is
+    ``global_value[lo0:hi0, lo1:hi1, ...]``. On a ``(2, 4)`` mesh whose two processes each hold one ``dp`` row
+    of devices, ``[Shard(0), Replicate()]`` of 8 rows has process 0 pass rows ``0:4`` and process 1 rows
+    ``4:8``. In a single process the process-local data is the whole array.
+
+    ``shape`` is the global shape. When omitted it is inferred assuming every process passes the same number
+    of rows along each sharded dim (dims split evenly between processes); pass ``shape`` for anything else
+    (uneven splits give processes different row counts). Each device receives only its own block, with no
+    collective. ``Partial`` placements are refused: rows cannot express a pending reduction (``from_local``
+    takes each device's part of one).
+
+    >>> import jax, numpy as np; from jshard import Shard, Replicate
+    >>> mesh = jax.make_mesh((2, 4), ("dp", "tp"))
+    >>> x = from_process_local(np.arange(8.0).reshape(4, 2), mesh, [Shard(0), Replicate()])
+    >>> x.shape, [a.tolist() for a in x.to_local()][::4]
+    ((4, 2), [[[0.0, 1.0], [2.0, 3.0]], [[4.0, 5.0], [6.0, 7.0]]])
+    """
+    where = "from_process_local"
+    devices = list(check_mesh(mesh, where).devices.flat)
+    if isinstance(local_rows, DArray):
+        raise TypeError(f"{where}: local_rows is a DArray ({local_rows!r}); pass this process's rows as a host "
+                        "array (or use local_rows.redistribute(placements))")
+    _check_array_live(local_rows, f"{where}: local_rows")
+    if isinstance(local_rows, jax.Array) and jax.dtypes.issubdtype(local_rows.dtype, jax.dtypes.extended):
+        raise TypeError(f"{where}: local_rows is a {local_rows.dtype} array, which cannot be cut on the host; "
+                        "use distribute or from_local")
+    try:
+        rows = np.asarray(local_rows if isinstance(local_rows, (jax.Array, np.ndarray)) else jnp.asarray(local_rows))
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{where}: local_rows must be an array (numpy, jax, or a nested list of numbers), got "
+                        f"{type(local_rows).__name__} {local_rows!r:.60}: {e}") from None
+    probe = Spec.create(mesh, placements, rows.shape if shape is None else shape, rows.dtype, where=where)
+    shown = f"{format_mesh(mesh)} with {format_placements(probe.placements)}"
+    if any(p.is_partial for p in probe.placements):
+        raise ValueError(f"{where}: {shown} has a Partial placement, which process-local rows cannot express (a "
+                         "pending reduction has one part per device); use from_local with each device's part, or "
+                         "distribute the reduced value")
+    if probe.rank != rows.ndim:
+        raise ValueError(f"{where}: local_rows has shape {rows.shape} but shape={probe.shape} has rank {probe.rank}; "
+                         "pass this process's rows with the global array's rank")
+    mine = [tuple(int(c) for c in np.unravel_index(i, probe.mesh_shape))
+            for i, d in enumerate(devices) if d.process_index == jax.process_index()]
+    if not mine:
+        raise ValueError(f"{where}: this process (index {jax.process_index()}) holds no device of "
+                         f"{format_mesh(mesh)}; call it on the processes that do")
+    inferred = shape is None
+    if inferred:
+        shape = _infer_process_shape(probe, mine, rows.shape, shown)
+    spec = Spec.create(mesh, probe.placements, shape, rows.dtype, where=where)
+    start = _process_start(spec, mine, rows.shape, shown, inferred)
+    return DArray(_host_blocks(spec, rows, start), spec)
+
+
 def from_jax(x: jax.Array) -> DArray:
     """Wrap a ``jax.Array`` with a ``NamedSharding`` as a DArray, without a collective.
 
@@ -283,6 +351,91 @@ def from_jax(x: jax.Array) -> DArray:
     shards = [s.data.reshape(block_shape) for s in x.addressable_shards]
     block = jax.make_array_from_single_device_arrays(spec.block_shape, block_sharding(spec.mesh), shards)
     return DArray(block, spec)
+
+
+def _host_blocks(spec: Spec, value: np.ndarray, start: Sequence[int] | None = None) -> jax.Array:
+    """Block storage of ``spec`` cut on the host from ``value``, the part of the global value that starts at
+    global index ``start`` (default: the whole value). Each addressable device receives only its own block.
+
+    Padding is zero, as a Partial(sum) block off coordinate 0 is; devices with equal blocks (replicas) share
+    one host copy, so the host holds about one copy of ``value`` however many devices replicate it. The blocks
+    are fresh copies: on CPU, JAX may alias a host array, and the DArray must not follow later writes to ``x``.
+    """
+    k = len(spec.mesh_shape)
+    start = (0,) * spec.rank if start is None else tuple(start)
+    sums = [a for a, p in enumerate(spec.placements) if p.is_partial and p.op == "sum"]
+    cuts = [a for a, p in enumerate(spec.placements) if p.is_shard]
+    made: dict[tuple, np.ndarray] = {}
+
+    def block(index: tuple[slice, ...]) -> np.ndarray:
+        coords = tuple(s.start or 0 for s in index[:k])
+        zero = any(coords[a] for a in sums)  # Partial(sum): the value on coordinate 0, the identity elsewhere
+        key = ("zero",) if zero else tuple(coords[a] for a in cuts)
+        if key not in made:
+            out = np.zeros((1,) * k + spec.local_block_shape, spec.dtype)
+            if not zero:
+                idx = spec.global_indices(coords)
+                out[(0,) * k + tuple(slice(0, len(i)) for i in idx)] = value[_host_index(idx, start)]
+            made[key] = out
+        return made[key]
+
+    return jax.make_array_from_callback(spec.block_shape, block_sharding(spec.mesh), block)
+
+
+def _host_index(idx: Sequence[np.ndarray], start: Sequence[int]):
+    """numpy index of global indices ``idx`` (one list per dim) in a part starting at ``start``: slices (a view)
+    when every list is a contiguous run, as for Shard, else an outer-product gather (StridedShard)."""
+    if all((np.diff(i) == 1).all() for i in idx):
+        return tuple(slice(int(i[0]) - s, int(i[-1]) + 1 - s) if len(i) else slice(0, 0) for i, s in zip(idx, start))
+    return np.ix_(*[i - s for i, s in zip(idx, start)])
+
+
+def _infer_process_shape(spec: Spec, mine: list[tuple[int, ...]], local: tuple[int, ...], shown: str) -> tuple:
+    """Global shape from one process's local shape, assuming every process passes as many rows: a sharded dim
+    grows by the number of its shards over the number this process's devices hold."""
+    shape = []
+    for d, n in enumerate(local):
+        axes = [a for a, _ in spec.chain(d)]
+        total = math.prod(spec.mesh_shape[a] for a in axes)
+        held = len({tuple(c[a] for a in axes) for c in mine})
+        if n * total % held:
+            raise ValueError(f"from_process_local: this process's devices hold {held} of the {total} shards of dim {d} "
+                             f"under {shown}, so its {n} rows do not scale to a whole global size; pass shape=")
+        shape.append(n * total // held)
+    return tuple(shape)
+
+
+def _process_start(spec: Spec, mine: list[tuple[int, ...]], local: tuple[int, ...], shown: str,
+                   inferred: bool) -> tuple[int, ...]:
+    """The global index where this process's rows start, per dim, after checking that its devices (``mine``,
+    mesh coordinates) hold one contiguous range per dim and that ``local`` is that range's shape."""
+    start, want = [], []
+    for d in range(spec.rank):
+        held = np.unique(np.concatenate([spec.global_indices(c)[d] for c in mine]))
+        if len(held) and held[-1] - held[0] + 1 != len(held):
+            raise ValueError(
+                f"from_process_local: under {shown}, the devices of process {jax.process_index()} hold indices "
+                f"{_ranges(held)} of dim {d} of {spec.shape}, not one contiguous range, so no rows of one local array "
+                "match them; use from_local (each device's part) or distribute, or a placement whose shards of a "
+                "process are adjacent (Shard instead of StridedShard)"
+            )
+        start.append(int(held[0]) if len(held) else 0)
+        want.append(len(held))
+    if tuple(want) != tuple(local):
+        how = " (inferred assuming every process passes as many rows; pass shape= otherwise)" if inferred else ""
+        rows = ", ".join(f"{s}:{s + n}" for s, n in zip(start, want))
+        raise ValueError(
+            f"from_process_local: local_rows has shape {tuple(local)}, but under {shown} with global shape "
+            f"{spec.shape}{how} process {jax.process_index()} holds [{rows}], of shape {tuple(want)}; pass "
+            "exactly those rows"
+        )
+    return tuple(start)
+
+
+def _ranges(idx: np.ndarray) -> str:
+    """``0:2, 4:6``: sorted indices as runs."""
+    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+    return ", ".join(f"{int(r[0])}:{int(r[-1]) + 1}" for r in np.split(idx, breaks))
 
 
 def _check_array_live(a, where: str) -> None:

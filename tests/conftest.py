@@ -17,6 +17,14 @@ if len(jax.devices()) < 8:
     jax.extend.backend.clear_backends()
     jax.config.update("jax_platforms", "cpu")
 
+def pytest_report_header(config):
+    import importlib.metadata as metadata
+    import sys
+
+    versions = ", ".join(f"{p} {metadata.version(p)}" for p in ("jax", "jaxlib", "flax", "optax", "numpy"))
+    return f"jshard on Python {sys.version.split()[0]}: {versions}; devices: {jax.devices()[0].platform} x8"
+
+
 MESH_SHAPES = {(8,): ("x",), (2, 4): ("dp", "tp"), (4, 2): ("a", "b"), (2, 2, 2): ("x", "y", "z")}
 
 

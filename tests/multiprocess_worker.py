@@ -1,0 +1,378 @@
+"""One process of the multi-controller test (tests/test_multiprocess.py): 2 processes x 4 CPU devices.
+
+    python tests/multiprocess_worker.py PROCESS_ID PORT RESULT.json
+
+The launcher sets ``JAX_PLATFORMS=cpu`` and ``XLA_FLAGS=--xla_force_host_platform_device_count=4``. This script
+joins the other process through ``jax.distributed.initialize`` before anything touches JAX's devices, then runs
+every check in the same order as its peer (each check issues the same collectives on both processes and
+compares only afterwards, so a failing comparison cannot leave the peer waiting), and writes
+``{"process": i, "checks": {name: "pass" | error}, "digests": {name: hex}, "losses": {...}, "seconds": {...}}``
+after every check (so a hang still leaves what ran before it).
+
+Expected local blocks are computed here with numpy from the placements' definitions (torch.chunk sizes, a
+``Partial(sum)`` value on coordinate 0 and zeros elsewhere, other Partials' values on every coordinate), not
+with jshard's own layout code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+import traceback
+
+import jax
+
+PROCESS_ID, PORT, RESULT = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+
+# gloo: the CPU cross-process collectives (jax 0.10.2's default; without them a cross-process program fails with
+# "Multiprocess computations aren't implemented on the CPU backend"). A peer that never starts fails initialize
+# after 60 s; one that dies later makes the coordination service abort this process (heartbeats); the launcher's
+# hard timeout covers the rest (a peer stuck in Python keeps sending heartbeats).
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{PORT}", num_processes=2, process_id=PROCESS_ID,
+                           initialization_timeout=60, heartbeat_timeout_seconds=30, shutdown_timeout_seconds=60)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+import jshard  # noqa: E402
+from jshard import Partial, Replicate, Shard  # noqa: E402
+from jshard.validate.tolerance import assert_close  # noqa: E402
+
+RESULTS: dict = {"process": PROCESS_ID, "checks": {}, "digests": {}, "losses": {}, "seconds": {}}
+
+
+def save() -> None:
+    tmp = RESULT + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(RESULTS, f, indent=1, sort_keys=True)
+    os.replace(tmp, RESULT)
+
+
+def check(name: str, fn, *args) -> None:
+    """Run one check; record "pass" or the error (the last lines of its traceback)."""
+    t0 = time.perf_counter()
+    try:
+        fn(*args)
+        RESULTS["checks"][name] = "pass"
+    except Exception as e:  # noqa: BLE001 - every failure is reported by name
+        tb = traceback.format_exc().strip().splitlines()
+        RESULTS["checks"][name] = f"{type(e).__name__}: {e}\n" + "\n".join(tb[-8:])
+    RESULTS["seconds"][name] = round(time.perf_counter() - t0, 3)
+    save()
+
+
+def digest(*arrays) -> str:
+    h = hashlib.sha256()
+    for a in arrays:
+        a = np.ascontiguousarray(np.asarray(a))
+        h.update(f"{a.dtype}{a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------
+# meshes: 8 devices, process 0's four then process 1's four; each mesh axis in turn crosses processes
+
+DEVICES = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+assert len(DEVICES) == 8 and jax.process_count() == 2 and len(jax.local_devices()) == 4, jax.devices()
+_grid = np.array(DEVICES, dtype=object).reshape(2, 4)  # row = process
+MESHES = {
+    # (2, 4): axis 0 ("dp") crosses processes, axis 1 stays inside one
+    "2x4": Mesh(_grid, ("dp", "tp")),
+    # (4, 2): axis 1 ("b") crosses processes (column = process), axis 0 stays inside one
+    "4x2": Mesh(_grid.T, ("a", "b")),
+    # (8,): the one axis crosses processes (coordinates 0-3 on process 0, 4-7 on process 1)
+    "8": Mesh(_grid.reshape(8), ("x",)),
+}
+CROSSING = {"2x4": 0, "4x2": 1, "8": 0}  # which mesh axis crosses processes
+
+
+def placement(code: str):
+    """"S0" Shard(0), "R" Replicate, "Psum" Partial("sum"), ... (the tests' own notation)."""
+    if code == "R":
+        return Replicate()
+    if code.startswith("S"):
+        return Shard(int(code[1:]))
+    return Partial(code[1:])
+
+
+def placements(codes) -> list:
+    return [placement(c) for c in codes]
+
+
+def chunk(n: int, k: int, i: int) -> slice:
+    """torch.chunk: piece i of k of a length-n dim (size ceil(n/k), trailing pieces short or empty)."""
+    size = -(-n // k)
+    start = min(i * size, n)
+    return slice(start, min(start + size, n))
+
+
+def expected_block(value: np.ndarray, mesh_shape, codes, coords) -> np.ndarray:
+    """The local block at ``coords`` of ``value`` laid out with ``codes``: shards split the block left to right
+    over the mesh axes (nested torch.chunk); a pending sum leaves zeros off coordinate 0."""
+    block = value
+    for axis, code in enumerate(codes):
+        if code.startswith("S"):
+            d = int(code[1:])
+            index = [slice(None)] * block.ndim
+            index[d] = chunk(block.shape[d], mesh_shape[axis], coords[axis])
+            block = block[tuple(index)]
+    if any(code == "Psum" and coords[axis] != 0 for axis, code in enumerate(codes)):
+        block = np.zeros_like(block)
+    return block
+
+
+def coords_of(mesh: Mesh):
+    return [tuple(int(c) for c in np.unravel_index(i, mesh.devices.shape)) for i in range(mesh.devices.size)]
+
+
+def mine(mesh: Mesh) -> list[bool]:
+    return [d.process_index == jax.process_index() for d in mesh.devices.flat]
+
+
+def expected_locals(value, mesh: Mesh, codes) -> list:
+    """Per device in ``mesh.devices.flat`` order: the expected block on this process's devices, None elsewhere."""
+    return [expected_block(value, mesh.devices.shape, codes, c) if m else None
+            for c, m in zip(coords_of(mesh), mine(mesh))]
+
+
+def host(blocks) -> list:
+    return [None if b is None else np.asarray(b) for b in blocks]
+
+
+def compare_locals(got: list, want: list, what: str) -> None:
+    """Exact: same None pattern, shapes, dtypes and bits."""
+    assert len(got) == len(want), f"{what}: {len(got)} local blocks, want {len(want)}"
+    errors = []
+    for i, (g, w) in enumerate(zip(got, want)):
+        if w is None:
+            if g is not None:
+                errors.append(f"device {i} (another process's) gave {g!r}, want None")
+        elif g is None:
+            errors.append(f"device {i} (this process's) gave None, want {w.shape}")
+        elif g.shape != w.shape or g.dtype != w.dtype or not np.array_equal(g, w):
+            errors.append(f"device {i}: got {g.dtype}{list(g.shape)} {g.ravel()[:12].tolist()}, want "
+                          f"{w.dtype}{list(w.shape)} {w.ravel()[:12].tolist()}")
+    assert not errors, f"{what}: " + "; ".join(errors[:4])
+
+
+# ---------------------------------------------------------------------------------------------------
+# values: every process builds the same global values (integer-valued floats: sums of them are exact)
+
+VALUE = np.arange(60, dtype=np.float32).reshape(6, 10) - 17  # 6 rows: uneven over 4 and 8; 10 columns too
+EVEN = np.arange(32, dtype=np.float32).reshape(8, 4) * 0.5
+
+DISTRIBUTE_2D = [("S0", "S1"), ("S1", "S0"), ("S0", "R"), ("R", "S0"), ("R", "R"), ("S0", "S0"), ("S1", "S1"),
+                 ("Psum", "S0"), ("S1", "Psum"), ("Pmax", "R"), ("R", "Pmin"), ("Pavg", "S1"), ("Psum", "Psum")]
+DISTRIBUTE_1D = [("S0",), ("S1",), ("R",), ("Psum",), ("Pmax",), ("Pavg",)]
+
+REDISTRIBUTE_2D = [
+    (("S0", "S1"), ("R", "R")), (("R", "R"), ("S0", "S1")), (("S0", "R"), ("S1", "R")), (("R", "S0"), ("R", "S1")),
+    (("S0", "S1"), ("S1", "S0")), (("S0", "S0"), ("R", "S1")), (("S1", "R"), ("R", "S0")),
+    (("Psum", "S0"), ("R", "S0")), (("S0", "Psum"), ("S0", "R")), (("Psum", "R"), ("S0", "R")),
+    (("R", "Psum"), ("S1", "S0")), (("Pmax", "S1"), ("R", "R")), (("Psum", "Psum"), ("S1", "R")),
+    (("R", "R"), ("Psum", "R")), (("S0", "R"), ("R", "Psum")),
+]
+REDISTRIBUTE_1D = [(("S0",), ("R",)), (("R",), ("S1",)), (("S0",), ("S1",)), (("Psum",), ("R",)),
+                   (("Psum",), ("S0",)), (("Pmax",), ("S1",)), (("R",), ("Psum",)), (("S1",), ("S0",))]
+
+
+def name_of(codes) -> str:
+    return ",".join(codes)
+
+
+def check_distribute(mesh: Mesh, codes, value) -> None:
+    x = jshard.distribute(value, mesh, placements(codes))
+    got = host(x.to_local())
+    assert tuple(x.placements) == tuple(placements(codes)), x.placements
+    compare_locals(got, expected_locals(value, mesh, codes), f"distribute {name_of(codes)}")
+
+
+def check_from_local(mesh: Mesh, codes, value) -> None:
+    want = expected_locals(value, mesh, codes)
+    x = jshard.from_local(want, mesh, placements(codes), shape=value.shape)
+    got = host(x.to_local())
+    full = np.asarray(x.full())  # the reduction of the locals: exact here (value + zeros, or equal values)
+    compare_locals(got, want, f"from_local {name_of(codes)} round trip")
+    assert full.shape == value.shape and np.array_equal(full, value), f"from_local {name_of(codes)}: full() differs"
+
+
+def check_from_local_needs_shape(mesh: Mesh) -> None:
+    """Without shape=, a process that holds only some devices cannot infer the global shape: a clear error."""
+    want = expected_locals(VALUE, mesh, ("S0",) * mesh.devices.ndim)
+    try:
+        jshard.from_local(want, mesh, placements(("S0",) * mesh.devices.ndim))
+    except ValueError as e:
+        assert "shape=" in str(e), e
+    else:
+        raise AssertionError("from_local with None for other processes' devices and no shape= did not raise")
+
+
+def check_redistribute(mesh: Mesh, src, dst, value) -> None:
+    x = jshard.distribute(value, mesh, placements(src))
+    y = x.redistribute(placements(dst))
+    got, full = host(y.to_local()), np.asarray(y.full())
+    compare_locals(got, expected_locals(value, mesh, dst), f"{name_of(src)} -> {name_of(dst)}")
+    assert np.array_equal(full, value), f"{name_of(src)} -> {name_of(dst)}: full() differs from the value"
+
+
+def check_reduce_random_partials(mesh: Mesh, tag: str) -> None:
+    """Partial(sum) on every mesh axis from different random locals (a real reduction across processes),
+    redistributed to Replicate and to Shard: the same sum within the rounding bound, and every replica of the
+    reduced value bitwise equal (here and, through the digest, on the other process)."""
+    k = mesh.devices.ndim
+    rng = np.random.default_rng(7)
+    per_device = rng.normal(size=(mesh.devices.size, 6, 10)).astype(np.float32)  # the same on both processes
+    locals_ = [per_device[i] if m else None for i, m in enumerate(mine(mesh))]
+    x = jshard.from_local(locals_, mesh, [Partial()] * k, shape=(6, 10))
+    replicated = host(x.redistribute([Replicate()] * k).to_local())
+    sharded = host(x.redistribute([Shard(0)] + [Replicate()] * (k - 1)).to_local())
+    want = per_device.astype(np.float64).sum(0)
+    terms = np.abs(per_device.astype(np.float64)).sum(0)
+    blocks = [b for b in replicated if b is not None]
+    for b in blocks:
+        assert_close(b, want.astype(np.float32), n=mesh.devices.size, terms=terms, err_msg=f"{tag} Psum -> R")
+        assert np.array_equal(b, blocks[0]), f"{tag}: replicas of the reduced value differ within a process"
+    RESULTS["digests"][f"reduce/{tag}"] = digest(blocks[0])
+    for c, b, m in zip(coords_of(mesh), sharded, mine(mesh)):
+        if m:
+            rows = chunk(6, mesh.devices.shape[0], c[0])
+            assert_close(b, want[rows].astype(np.float32), n=mesh.devices.size, terms=terms[rows],
+                         err_msg=f"{tag} Psum -> S0 at {c}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# jshard.jit: a small MLP forward and value_and_grad, against float64 numpy
+
+def mlp_loss(params, x, y):
+    return jnp.mean((jnp.tanh(x @ params["w1"]) @ params["w2"] - y) ** 2)
+
+
+def mlp_reference(w1, w2, x, y):
+    """Loss and gradients in float64, and the size of what each sums (for the rounding bound)."""
+    w1, w2, x, y = (a.astype(np.float64) for a in (w1, w2, x, y))
+    h = np.tanh(x @ w1)
+    r = h @ w2 - y
+    n = r.size
+    loss = np.mean(r ** 2)
+    d = 2 * r / n
+    gw2 = h.T @ d
+    dh = (d @ w2.T) * (1 - h ** 2)
+    gw1 = x.T @ dh
+    # magnitudes of the summed terms: the same chain with absolute values
+    ah = np.abs(h)
+    ar = ah @ np.abs(w2) + np.abs(y)
+    ad = 2 * ar / n
+    terms = {"loss": np.mean(ar ** 2), "w2": ah.T @ ad, "w1": np.abs(x).T @ (ad @ np.abs(w2).T)}
+    return loss, {"w1": gw1, "w2": gw2}, terms
+
+
+MLP_LAYOUTS = {
+    # mesh: (data placements, w1 placements, w2 placements); data Shard(0) on the crossing axis, weights on the other
+    "2x4": (("S0", "R"), ("R", "S1"), ("R", "S0")),
+    "4x2": (("R", "S0"), ("S1", "R"), ("S0", "R")),
+    "8": (("S0",), ("R",), ("R",)),
+}
+
+
+def check_mlp(key: str) -> None:
+    mesh = MESHES[key]
+    data, l1, l2 = MLP_LAYOUTS[key]
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(8, 16)).astype(np.float32), rng.normal(size=(8, 4)).astype(np.float32)
+    w1 = (rng.normal(size=(16, 32)) / 4).astype(np.float32)
+    w2 = (rng.normal(size=(32, 4)) / np.sqrt(32)).astype(np.float32)
+    params = {"w1": jshard.distribute(w1, mesh, placements(l1)), "w2": jshard.distribute(w2, mesh, placements(l2))}
+    xs, ys = (jshard.distribute(a, mesh, placements(data)) for a in (x, y))
+    forward = float(jshard.jit(mlp_loss)(params, xs, ys))
+    loss, grads = jshard.jit(jax.value_and_grad(mlp_loss))(params, xs, ys)
+    loss = float(loss)
+    full = {k: np.asarray(g.full()) for k, g in grads.items()}
+
+    want_loss, want_grads, terms = mlp_reference(w1, w2, x, y)
+    n = 16 + 32 + 32  # x @ w1, @ w2, the mean over 8 x 4
+    assert_close(np.float32(forward), np.float32(want_loss), n=n, terms=terms["loss"], err_msg=f"{key} forward")
+    assert_close(np.float32(loss), np.float32(want_loss), n=n, terms=terms["loss"], err_msg=f"{key} loss")
+    for k in ("w1", "w2"):
+        assert full[k].shape == want_grads[k].shape, (k, full[k].shape)
+        assert_close(full[k], want_grads[k].astype(np.float32), n=n + 8, terms=terms[k], err_msg=f"{key} grad {k}")
+    RESULTS["losses"][f"mlp/{key}"] = [forward.hex(), loss.hex()]
+    RESULTS["digests"][f"mlp/{key}"] = digest(full["w1"], full["w2"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# jshard.parallel: the demo's GPT, tensor-parallel on a (2, 4) mesh with dp crossing processes, 3 AdamW steps
+
+def check_gpt() -> None:
+    import optax
+    from flax import nnx
+
+    from jshard.demo import corpus
+    from jshard.gpt import GPT, cross_entropy, one_device_trainer, plan, summed_terms
+    from jshard.parallel import TrainStep, parallelize
+    from jshard.validate.tolerance import curve_ratio
+
+    vocab, dim, heads, layers, seq, batch, steps = 32, 16, 2, 1, 8, 4, 3
+    mesh = MESHES["2x4"]
+
+    def make():
+        return GPT(vocab, dim, heads, layers, seq, rngs=nnx.Rngs(0))
+
+    def loss_fn(model, ids, labels):
+        return cross_entropy(model(ids), labels)
+
+    windows = corpus(vocab, steps * batch * (seq + 1)).reshape(steps, batch, seq + 1)
+    styles, default = plan("tp", dp="dp", tp="tp")
+    tx = optax.adamw(3e-3, eps=1e-6)
+    t0 = time.perf_counter()
+    train = TrainStep(parallelize(make(), mesh, styles, default=default), tx, loss_fn)
+    ours = []
+    for step in range(steps):
+        ids, labels = (jshard.distribute(a, mesh, [Shard(0), Replicate()])
+                       for a in (windows[step, :, :-1], windows[step, :, 1:]))
+        ours.append(float(train(ids, labels)))
+        label = f"gpt: step {step}" + (" (with trace, plan, compile)" if step == 0 else "")
+        RESULTS["seconds"][label] = round(time.perf_counter() - t0, 3)
+        t0 = time.perf_counter()
+    reference = one_device_trainer(make(), tx, loss_fn)
+    theirs = [reference(jnp.asarray(windows[s, :, :-1]), jnp.asarray(windows[s, :, 1:])) for s in range(steps)]
+    RESULTS["seconds"]["gpt: one-device reference"] = round(time.perf_counter() - t0, 3)
+    RESULTS["losses"]["gpt"] = [v.hex() for v in ours]
+    RESULTS["losses"]["gpt_one_device"] = [v.hex() for v in theirs]
+    ratio = curve_ratio(ours, theirs, n_per_step=summed_terms(vocab, dim, layers, seq, batch))
+    assert ratio <= 1, f"GPT losses {ours} vs one device {theirs}: {ratio:.2f} of the rounding bound"
+
+
+def main() -> None:
+    t0 = time.perf_counter()
+    for key, mesh in MESHES.items():
+        cases = DISTRIBUTE_2D if mesh.devices.ndim == 2 else DISTRIBUTE_1D
+        for codes in cases:
+            check(f"distribute/{key}/{name_of(codes)}", check_distribute, mesh, codes, VALUE)
+        check(f"distribute/{key}/even", check_distribute, mesh, ("S0",) * mesh.devices.ndim, EVEN)
+    for key, mesh in MESHES.items():
+        cases = DISTRIBUTE_2D if mesh.devices.ndim == 2 else DISTRIBUTE_1D
+        for codes in cases[:: 2]:
+            check(f"from_local/{key}/{name_of(codes)}", check_from_local, mesh, codes, VALUE)
+        check(f"from_local/{key}/needs_shape", check_from_local_needs_shape, mesh)
+    for key, mesh in MESHES.items():
+        cases = REDISTRIBUTE_2D if mesh.devices.ndim == 2 else REDISTRIBUTE_1D
+        for src, dst in cases:
+            check(f"redistribute/{key}/{name_of(src)}->{name_of(dst)}", check_redistribute, mesh, src, dst, VALUE)
+        check(f"redistribute/{key}/random_partial_sums", check_reduce_random_partials, mesh, key)
+    for key in MESHES:
+        check(f"jit_mlp/{key}", check_mlp, key)
+    check("gpt/tp_2x4", check_gpt)
+    RESULTS["seconds"]["total"] = round(time.perf_counter() - t0, 3)
+    RESULTS["done"] = True
+    save()
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""JAX's multi-controller mode: two processes of 4 CPU devices each on localhost, one 8-device mesh.
+
+The test launches tests/multiprocess_worker.py twice (process ids 0 and 1, a free coordinator port, gloo CPU
+collectives, different hash seeds to catch set/dict-order dependence between the processes). Each worker runs
+every check on meshes whose axes in turn cross the two processes: ``distribute`` (Shard, uneven Shard,
+Replicate, Partial) and ``from_local`` against independently computed local blocks, ``redistribute`` across
+placement kinds, ``jshard.jit`` of an MLP and its ``value_and_grad`` against float64 numpy, and 3 tensor-parallel
+``TrainStep``s of the demo's GPT against one device. Here: both exit 0 within a hard timeout, every check
+passed, and the two processes computed bitwise-equal losses, gradients and reduced values.
+
+One launch of both workers does everything (a few seconds of compilation on each); the test never waits on a
+worker past ``TIMEOUT``: when one fails or time runs out, both are killed and the failing one's stderr is shown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "multiprocess_worker.py")
+TIMEOUT = 240  # seconds, for both workers together
+GROUPS = ("distribute", "from_local", "redistribute", "jit_mlp", "gpt")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env(process_id: int) -> dict:
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=4"])
+    env["JAX_PLATFORMS"] = "cpu"
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    env["PYTHONHASHSEED"] = str(process_id + 1)  # the processes must agree without agreeing on hash order
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def tail(path: str, n: int = 3000) -> str:
+    """The end of a worker's stderr without gloo's connection chatter and C++ stack frames."""
+    try:
+        with open(path, errors="replace") as f:
+            lines = [line for line in f if not line.startswith(("[Gloo]", "    @ "))]
+    except OSError as e:
+        return f"<{e}>"
+    return "".join(lines)[-n:]
+
+
+def run_workers(tmp) -> tuple[list[int | None], list[str], list[dict | None], float]:
+    """Launch both workers; return their exit codes (None: killed), stderr tails, result files and the wall time."""
+    port = free_port()
+    procs, logs = [], []
+    t0 = time.monotonic()
+    try:
+        for i in range(2):
+            out, err = tmp / f"worker{i}.out", tmp / f"worker{i}.err"
+            logs.append((out, err))
+            with open(out, "w") as o, open(err, "w") as e:
+                procs.append(subprocess.Popen([sys.executable, WORKER, str(i), str(port), str(tmp / f"result{i}.json")],
+                                              cwd=ROOT, env=worker_env(i), stdout=o, stderr=e,
+                                              stdin=subprocess.DEVNULL))
+        deadline = t0 + TIMEOUT
+        while time.monotonic() < deadline:
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
+                break  # both done, or one failed: the other would wait on it for its collectives
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    wall = time.monotonic() - t0
+    codes = [p.returncode for p in procs]
+    results = []
+    for i in range(2):
+        try:
+            with open(tmp / f"result{i}.json") as f:
+                results.append(json.load(f))
+        except (OSError, ValueError):
+            results.append(None)
+    return codes, [tail(str(err)) for _, err in logs], results, wall
+
+
+def test_two_processes_of_four_cpu_devices(tmp_path):
+    codes, stderr, results, wall = run_workers(tmp_path)
+    problems = []
+    for i, (code, err) in enumerate(zip(codes, stderr)):
+        if code != 0:
+            why = f"exit code {code}" if code is not None and code >= 0 else "killed (timeout, or its peer failed)"
+            done = "" if results[i] is None else f" after {len(results[i]['checks'])} checks"
+            problems.append(f"worker {i}: {why}{done} ({wall:.0f} s); stderr tail:\n{err}")
+    for i, r in enumerate(results):
+        if r is None:
+            problems.append(f"worker {i} wrote no result file")
+            continue
+        failed = {name: why for name, why in r["checks"].items() if why != "pass"}
+        problems += [f"worker {i}: {name}: {why}" for name, why in sorted(failed.items())]
+        groups = {name.split("/")[0] for name in r["checks"]}
+        if r.get("done") and groups != set(GROUPS):
+            problems.append(f"worker {i} ran check groups {sorted(groups)}, expected {sorted(GROUPS)}")
+    if all(r is not None and r.get("done") for r in results):
+        a, b = results
+        if a["checks"].keys() != b["checks"].keys():
+            problems.append(f"the workers ran different checks: {sorted(a['checks'].keys() ^ b['checks'].keys())}")
+        for kind in ("losses", "digests"):
+            for name in sorted(a[kind].keys() | b[kind].keys()):
+                if a[kind].get(name) != b[kind].get(name):
+                    problems.append(f"{kind} {name!r} differ between the processes: {a[kind].get(name)} vs "
+                                    f"{b[kind].get(name)}")
+        for name in ("mlp/2x4", "mlp/4x2", "mlp/8", "gpt"):
+            if name not in a["losses"]:
+                problems.append(f"no {name} loss recorded")
+    assert not problems, "\n".join(problems)
