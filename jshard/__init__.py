@@ -16,7 +16,7 @@ True
 from .api import constrain, explain, jit, same_as
 from .caches import clear_caches
 from .cost import AxisCost, CostModel
-from .darray import DArray, DeletedArrayError, distribute, from_jax, from_local, from_process_local
+from .darray import DArray, DeletedArrayError, distribute, from_jax, from_local, from_process_local, process_rows
 from .explanation import Explanation
 from .operators import apply
 from .placements import Partial, Placement, PlacementError, Replicate, Shard, StridedShard
@@ -50,6 +50,7 @@ __all__ = [
     "from_process_local",
     "jit",
     "plan_redistribute",
+    "process_rows",
     "same_as",
     "visualize",
 ]

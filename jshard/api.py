@@ -28,9 +28,11 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from .arguments import (
     argnums,
+    as_darray,
     function_name,
     hashable,
     is_darray,
@@ -67,7 +69,7 @@ class same_as:  # noqa: N801 - reads as a function in out_placements
 
 
 def jit(fn: Callable, *, out_placements: Any = None, static_argnums: int | Sequence[int] = (),
-        donate_argnums: int | Sequence[int] = ()) -> Jitted:
+        donate_argnums: int | Sequence[int] = (), mesh: Mesh | None = None) -> Jitted:
     """Compile ``fn`` (global-shape JAX code) for DArray arguments; plain arrays and scalars are Replicate.
 
     Returns DArrays. ``out_placements`` pins outputs: a pytree prefix of the outputs whose leaves are a
@@ -75,8 +77,12 @@ def jit(fn: Callable, *, out_placements: Any = None, static_argnums: int | Seque
     Python values: sizes, flags, modes), ``donate_argnums`` hand their arguments' storage to the outputs (the
     donated DArrays are deleted; using one again raises ``DeletedArrayError`` naming the call it went to).
     Negative argnums count from the end, as in ``jax.jit``. Typed PRNG key arrays (``jax.random.key``) are
-    arguments like any other. Compiled programs are cached by the arguments' specs, tree structure and
-    static values: a repeated call does no tracing. ``.lower(*args)`` gives the lowered program (for its HLO),
+    arguments like any other. A ``jax.Array`` laid out on the mesh (a ``NamedSharding``, as a JAX program makes
+    them) is taken as it is (``jshard.from_jax``), whether passed or closed over: no host transfer, no
+    collective (a closed-over one on Explicit mesh axes is refused: pass it). ``mesh`` names the mesh for a
+    function that has no DArray argument (an initialiser: with ``out_placements``, each device computes only
+    its own blocks). Compiled programs are cached by the arguments' specs, tree structure and static values: a
+    repeated call does no tracing. ``.lower(*args)`` gives the lowered program (for its HLO),
     ``.explain(*args)`` the plan.
 
     >>> import jax, jax.numpy as jnp, numpy as np, jshard
@@ -91,19 +97,23 @@ def jit(fn: Callable, *, out_placements: Any = None, static_argnums: int | Seque
     if not (out_placements is None or isinstance(out_placements, (tuple, list, dict, same_as))):
         raise TypeError(f"jshard.jit: out_placements must be a pytree prefix of the outputs with placement tuples, "
                         f"same_as(argnum) or None as leaves, got {type(out_placements).__name__} {out_placements!r}")
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"jshard.jit: mesh must be a jax.sharding.Mesh (say jax.make_mesh((8,), ('dp',))), got "
+                        f"{type(mesh).__name__}")
     return Jitted(fn, out_placements, argnums(static_argnums, "static_argnums", fn),
-                  argnums(donate_argnums, "donate_argnums", fn))
+                  argnums(donate_argnums, "donate_argnums", fn), mesh)
 
 
 class Jitted:
     """What ``jshard.jit`` returns: call it like the function; ``.lower`` and ``.explain`` take the same
     arguments."""
 
-    def __init__(self, fn: Callable, out_placements: Any, static: tuple[int, ...], donate: tuple[int, ...]):
+    def __init__(self, fn: Callable, out_placements: Any, static: tuple[int, ...], donate: tuple[int, ...],
+                 mesh: Mesh | None = None):
         if set(static) & set(donate):
             raise ValueError(f"jshard.jit: argument(s) {sorted(set(static) & set(donate))} are both in static_argnums "
                              f"{static} and donate_argnums {donate}; a static value has no storage to donate")
-        self.fn, self.out_placements, self.static, self.donate = fn, out_placements, static, donate
+        self.fn, self.out_placements, self.static, self.donate, self.mesh = fn, out_placements, static, donate, mesh
         self._static_names = parameter_names(fn, static)
         # programs by full key; the steady-state paths by DArray specs and by tree structure (see __call__)
         self._cache, self._by_tree, self._by_specs = Cache(256), Cache(256), Cache(256)
@@ -131,7 +141,7 @@ class Jitted:
     def lower(self, *args, **kwargs) -> Any:
         """The lowered ``jax.jit`` program for these arguments (``.as_text()``, ``.compile()``)."""
         program, darrays = self._prepare(args, kwargs)
-        return program.jitted.lower(*[d.block for d in darrays])
+        return program.lower([d.block for d in darrays])
 
     def explain(self, *args, **kwargs) -> Explanation:
         """The plan these arguments would run with, as data (see ``jshard.explain``)."""
@@ -142,8 +152,8 @@ class Jitted:
         specs and pins), without compiling: what benchmarks time as trace + propagate."""
         dyn, statics = self._split(args, kwargs)
         leaves, treedef = jax.tree.flatten((dyn, kwargs), is_leaf=is_darray)
-        mesh = mesh_of(leaves, self._name)
-        values, keys = self._values(leaves, treedef, statics)
+        mesh = mesh_of(leaves, self._name, self.mesh)
+        values, keys = self._values(leaves, treedef, statics, mesh)
         specs = [v.spec if isinstance(v, DArray) else replicated(mesh, v.shape, v.dtype) for v in values]
         return trace(self._traced_fn(args, treedef, keys), treedef, specs, mesh, self._pins(args),
                      list(map(is_weak, leaves)), self._name)
@@ -192,12 +202,22 @@ class Jitted:
         argnum = [i for i in range(pos.idx + len(static) + 1) if i not in static][pos.idx]
         return f"argument {argnum}{rest} of {self._name}"
 
-    def _values(self, leaves: list, treedef, statics) -> tuple[list, dict]:
-        """Per flat leaf: the DArray, or the host value a plain leaf is distributed (replicated) from; and
-        ``{position: PRNG implementation}`` of typed keys, which travel as their key data."""
+    def _values(self, leaves: list, treedef, statics, mesh: Mesh) -> tuple[list, dict]:
+        """Per flat leaf: the DArray (a ``jax.Array`` on the mesh becomes one as it is), or the host value a plain
+        leaf is distributed (replicated) from; and ``{position: PRNG implementation}`` of typed keys, which travel
+        as their key data."""
         keys = {i: jax.random.key_impl(a) for i, a in enumerate(leaves) if is_plain_key(a)}
-        return [a if isinstance(a, DArray) else jax.random.key_data(a) if i in keys else
-                np.asarray(a, plain_dtype(a, self._where(i, treedef, statics))) for i, a in enumerate(leaves)], keys
+        values = []
+        for i, a in enumerate(leaves):
+            if isinstance(a, DArray):
+                values.append(a)
+            elif i in keys:
+                values.append(jax.random.key_data(a))
+            else:
+                where = self._where(i, treedef, statics)
+                d = as_darray(a, mesh, where)
+                values.append(d if d is not None else np.asarray(a, plain_dtype(a, where)))
+        return values, keys
 
     def _traced_fn(self, args, treedef, keys: dict) -> Callable:
         """The function traced for a call: (dynamic args, kwargs) in, typed keys wrapped again from key data."""
@@ -226,8 +246,8 @@ class Jitted:
                             "be hashable (tuples, not lists or arrays)") from None
         if program is not None:
             return program, leaves
-        mesh = mesh_of(leaves, self._name)
-        values, keys = self._values(leaves, treedef, statics)
+        mesh = mesh_of(leaves, self._name, self.mesh)
+        values, keys = self._values(leaves, treedef, statics, mesh)
         darrays = [v if isinstance(v, DArray) else distribute(v, mesh, (Replicate(),) * mesh.devices.ndim)
                    for v in values]
         weak = tuple(map(is_weak, leaves))

@@ -16,14 +16,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
-from .darray import DArray
+from .darray import DArray, from_jax, same_devices
 from .engine import TRACED_DARRAY
 from .spec import format_mesh
 
-__all__ = ["argnums", "by_value", "function_name", "hashable", "is_darray", "is_plain_key", "is_weak", "mesh_of",
-           "parameter_names", "plain_dtype", "resolve_argnums"]
+__all__ = ["argnums", "as_darray", "by_value", "function_name", "hashable", "is_darray", "is_plain_key", "is_weak",
+           "mesh_of", "on_mesh", "parameter_names", "plain_dtype", "resolve_argnums"]
 
 
 def argnums(nums: int | Sequence[int], name: str, fn: Callable) -> tuple[int, ...]:
@@ -65,17 +65,52 @@ def function_name(fn: Callable) -> str:
     return f"{name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})" if code is not None else name
 
 
-def mesh_of(leaves: list, name: str) -> Mesh:
-    """The one mesh of the DArrays among ``leaves``; a ValueError naming the meshes where there are several."""
-    meshes = list(dict.fromkeys(a.mesh for a in leaves if isinstance(a, DArray)))
-    if not meshes:
-        raise ValueError(f"jshard.jit: no DArray among the arguments of {name}, so there is no mesh to run on; "
-                         "distribute one input with jshard.distribute(x, mesh, placements)")
+def mesh_of(leaves: list, name: str, default: Mesh | None = None) -> Mesh:
+    """The one mesh a call runs on: ``default`` (``jshard.jit(mesh=...)``) or the DArrays' mesh, else that of the
+    sharded ``jax.Array`` arguments; a ValueError naming the meshes where they disagree."""
+    meshes = list(dict.fromkeys(([default] if default is not None else [])
+                                + [a.mesh for a in leaves if isinstance(a, DArray)]))
     if len(meshes) > 1:
         raise ValueError(f"jshard.jit: the DArray arguments of {name} live on different meshes, "
-                         f"{_mesh_desc(meshes[0])} and {_mesh_desc(meshes[1])}; one program runs on one mesh: "
-                         "redistribute onto one (jshard.distribute(x.full(), mesh, placements))")
-    return meshes[0]
+                         f"{_mesh_desc(meshes[0])} and {_mesh_desc(meshes[1])}"
+                         + (" (the first is jshard.jit's mesh=)" if default is not None else "")
+                         + "; one program runs on one mesh: redistribute onto one "
+                         "(jshard.distribute(x.full(), mesh, placements))")
+    if meshes:
+        return meshes[0]
+    on = [a.sharding.mesh for a in leaves if on_mesh(a)]
+    if not on:
+        raise ValueError(f"jshard.jit: no DArray (or jax.Array on a mesh) among the arguments of {name}, so there is "
+                         "no mesh to run on; distribute one input with jshard.distribute(x, mesh, placements), or "
+                         "name the mesh: jshard.jit(fn, mesh=mesh) (a function of no arrays, such as an initialiser)")
+    other = next((m for m in on if not same_devices(m, on[0])), None)
+    if other is not None:
+        raise ValueError(f"jshard.jit: the jax.Array arguments of {name} live on different meshes, "
+                         f"{_mesh_desc(on[0])} and {_mesh_desc(other)}; one program runs on one mesh: move them "
+                         "onto one with jax.device_put(x, NamedSharding(mesh, spec))")
+    return on[0]
+
+
+def on_mesh(a: Any) -> bool:
+    """Whether ``a`` is a concrete ``jax.Array`` laid out on a mesh (a ``NamedSharding``), which a call takes as
+    it is (``from_jax``: no host transfer, no collective). Typed PRNG keys travel as key data instead."""
+    return (isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and isinstance(a.sharding, NamedSharding)
+            and isinstance(a.sharding.mesh, Mesh) and not is_plain_key(a))
+
+
+def as_darray(a: Any, mesh: Mesh, where: str) -> DArray | None:
+    """A ``jax.Array`` on ``mesh``'s devices as a DArray (``from_jax``); None for a value the call distributes
+    from the host (numbers, numpy arrays, single-device arrays). An array spanning other processes on another
+    mesh can do neither, and is refused naming ``where``."""
+    if not on_mesh(a):
+        return None
+    if same_devices(a.sharding.mesh, mesh):
+        return from_jax(a, mesh)
+    if a.is_fully_addressable:
+        return None
+    raise ValueError(f"jshard.jit: {where} is a jax.Array on {_mesh_desc(a.sharding.mesh)}, spanning other processes, "
+                     f"but the call runs on {_mesh_desc(mesh)}; put it on that mesh: "
+                     "jax.device_put(x, NamedSharding(mesh, spec)) or jshard.from_jax")
 
 
 def plain_dtype(a: Any, where: str) -> np.dtype:

@@ -35,7 +35,8 @@ from .placements import Placement, Replicate, format_placements
 from .planner import check_cost_model, plan_redistribute
 from .spec import Spec, block_sharding, check_dtype, check_mesh, format_mesh
 
-__all__ = ["DArray", "DeletedArrayError", "distribute", "from_local", "from_process_local", "from_jax"]
+__all__ = ["DArray", "DeletedArrayError", "distribute", "from_jax", "from_local", "from_process_local", "process_rows",
+           "same_devices"]
 
 # equations are attributed to the user's line: jshard's own wrappers are not it
 source_info_util.register_exclusion(os.path.abspath(__file__))
@@ -299,7 +300,7 @@ def from_process_local(local_rows, mesh: Mesh, placements: Sequence[Placement], 
     ((4, 2), [[[0.0, 1.0], [2.0, 3.0]], [[4.0, 5.0], [6.0, 7.0]]])
     """
     where = "from_process_local"
-    devices = list(check_mesh(mesh, where).devices.flat)
+    check_mesh(mesh, where)
     if isinstance(local_rows, DArray):
         raise TypeError(f"{where}: local_rows is a DArray ({local_rows!r}); pass this process's rows as a host "
                         "array (or use local_rows.redistribute(placements))")
@@ -321,11 +322,7 @@ def from_process_local(local_rows, mesh: Mesh, placements: Sequence[Placement], 
     if probe.rank != rows.ndim:
         raise ValueError(f"{where}: local_rows has shape {rows.shape} but shape={probe.shape} has rank {probe.rank}; "
                          "pass this process's rows with the global array's rank")
-    mine = [tuple(int(c) for c in np.unravel_index(i, probe.mesh_shape))
-            for i, d in enumerate(devices) if d.process_index == jax.process_index()]
-    if not mine:
-        raise ValueError(f"{where}: this process (index {jax.process_index()}) holds no device of "
-                         f"{format_mesh(mesh)}; call it on the processes that do")
+    mine = _my_coords(mesh, where)
     inferred = shape is None
     if inferred:
         shape = _infer_process_shape(probe, mine, rows.shape, shown)
@@ -334,10 +331,39 @@ def from_process_local(local_rows, mesh: Mesh, placements: Sequence[Placement], 
     return DArray(_host_blocks(spec, rows, start), spec)
 
 
-def from_jax(x: jax.Array) -> DArray:
-    """Wrap a ``jax.Array`` with a ``NamedSharding`` as a DArray, without a collective.
+def process_rows(mesh: Mesh, placements: Sequence[Placement], shape: Sequence[int]) -> tuple[slice, ...]:
+    """The part of a global array of ``shape`` that this process passes to ``from_process_local`` under
+    ``placements``: what its data loader reads (``global_batch[process_rows(...)]``), one slice per dim.
+
+    >>> import jax; from jshard import Shard, Replicate
+    >>> mesh = jax.make_mesh((2, 4), ("dp", "tp"))
+    >>> process_rows(mesh, [Shard(0), Replicate()], (8, 3))  # one process: it holds every device, so every row
+    (slice(0, 8, None), slice(0, 3, None))
+    """
+    where = "process_rows"
+    spec = Spec.create(check_mesh(mesh, where), placements, tuple(shape), np.float32, where=where)
+    shown = f"{format_mesh(mesh)} with {format_placements(spec.placements)}"
+    if any(p.is_partial for p in spec.placements):
+        raise ValueError(f"{where}: {shown} has a Partial placement, which has no rows: a pending reduction has one "
+                         "part per device (from_local takes them)")
+    start, length = _process_span(spec, _my_coords(mesh, where), shown, where)
+    return tuple(slice(s, s + n) for s, n in zip(start, length))
+
+
+def from_jax(x: jax.Array, mesh: Mesh | None = None) -> DArray:
+    """Wrap a ``jax.Array`` with a ``NamedSharding`` as a DArray, without a collective or a host transfer: each
+    device's shard becomes its block (in multi-process mode, each process wraps the shards it holds).
 
     An ``unreduced`` axis becomes ``Partial(sum)``; an axis tuple in non-mesh order becomes StridedShard.
+    ``mesh`` (optional) is the mesh the DArray is described on, when it is the same devices with the same axis
+    names as ``x``'s (a mesh made separately, or with other axis types).
+
+    >>> import jax, numpy as np, jshard
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((2, 4), ("dp", "tp"))
+    >>> x = jax.device_put(np.arange(16.0).reshape(4, 4), NamedSharding(mesh, P("tp", "dp")))
+    >>> jshard.from_jax(x).placements
+    (S(1), S(0))
     """
     if not isinstance(x, jax.Array):
         raise TypeError(f"from_jax: expected a jax.Array with a NamedSharding, got {type(x).__name__}")
@@ -346,11 +372,23 @@ def from_jax(x: jax.Array) -> DArray:
                         "function, use jshard.jit on DArrays instead)")
     _check_array_live(x, "from_jax: x")
     spec = Spec.from_named_sharding(x.sharding, x.shape, x.dtype, where="from_jax")
+    if mesh is not None and mesh != spec.mesh:
+        if not same_devices(mesh, spec.mesh):
+            raise ValueError(f"from_jax: x lives on {format_mesh(spec.mesh)}, which is not mesh= "
+                             f"{format_mesh(mesh)} (other devices or axis names); move it with "
+                             "jax.device_put(x, NamedSharding(mesh, spec)) first")
+        spec = Spec.create(mesh, spec.placements, spec.shape, spec.dtype, where="from_jax")
     k = len(spec.mesh_shape)
     block_shape = (1,) * k + spec.local_block_shape
     shards = [s.data.reshape(block_shape) for s in x.addressable_shards]
     block = jax.make_array_from_single_device_arrays(spec.block_shape, block_sharding(spec.mesh), shards)
     return DArray(block, spec)
+
+
+def same_devices(a: Mesh, b: Mesh) -> bool:
+    """Whether two meshes lay out the same devices under the same axis names (axis types aside)."""
+    ids = lambda m: [d.id for d in m.devices.flat]  # noqa: E731
+    return a.axis_names == b.axis_names and a.devices.shape == b.devices.shape and ids(a) == ids(b)
 
 
 def _host_blocks(spec: Spec, value: np.ndarray, start: Sequence[int] | None = None) -> jax.Array:
@@ -407,29 +445,46 @@ def _infer_process_shape(spec: Spec, mine: list[tuple[int, ...]], local: tuple[i
 
 def _process_start(spec: Spec, mine: list[tuple[int, ...]], local: tuple[int, ...], shown: str,
                    inferred: bool) -> tuple[int, ...]:
-    """The global index where this process's rows start, per dim, after checking that its devices (``mine``,
-    mesh coordinates) hold one contiguous range per dim and that ``local`` is that range's shape."""
-    start, want = [], []
-    for d in range(spec.rank):
-        held = np.unique(np.concatenate([spec.global_indices(c)[d] for c in mine]))
-        if len(held) and held[-1] - held[0] + 1 != len(held):
-            raise ValueError(
-                f"from_process_local: under {shown}, the devices of process {jax.process_index()} hold indices "
-                f"{_ranges(held)} of dim {d} of {spec.shape}, not one contiguous range, so no rows of one local array "
-                "match them; use from_local (each device's part) or distribute, or a placement whose shards of a "
-                "process are adjacent (Shard instead of StridedShard)"
-            )
-        start.append(int(held[0]) if len(held) else 0)
-        want.append(len(held))
+    """The global index where this process's rows start, per dim, after checking that ``local`` is the shape of
+    the range its devices (``mine``, mesh coordinates) hold."""
+    start, want = _process_span(spec, mine, shown, "from_process_local")
     if tuple(want) != tuple(local):
         how = " (inferred assuming every process passes as many rows; pass shape= otherwise)" if inferred else ""
         rows = ", ".join(f"{s}:{s + n}" for s, n in zip(start, want))
         raise ValueError(
             f"from_process_local: local_rows has shape {tuple(local)}, but under {shown} with global shape "
             f"{spec.shape}{how} process {jax.process_index()} holds [{rows}], of shape {tuple(want)}; pass "
-            "exactly those rows"
+            "exactly those rows (jshard.process_rows(mesh, placements, shape) gives them)"
         )
-    return tuple(start)
+    return start
+
+
+def _process_span(spec: Spec, mine: list[tuple[int, ...]], shown: str, where: str) -> tuple[tuple, tuple]:
+    """(start, length) per dim of the one contiguous range of global indices this process's devices (``mine``)
+    hold; a ValueError naming ``where`` when some dim's range has holes."""
+    start, length = [], []
+    for d in range(spec.rank):
+        held = np.unique(np.concatenate([spec.global_indices(c)[d] for c in mine]))
+        if len(held) and held[-1] - held[0] + 1 != len(held):
+            raise ValueError(
+                f"{where}: under {shown}, the devices of process {jax.process_index()} hold indices "
+                f"{_ranges(held)} of dim {d} of {spec.shape}, not one contiguous range, so no rows of one local array "
+                "match them; use from_local (each device's part) or distribute, or a placement whose shards of a "
+                "process are adjacent (Shard instead of StridedShard)"
+            )
+        start.append(int(held[0]) if len(held) else 0)
+        length.append(len(held))
+    return tuple(start), tuple(length)
+
+
+def _my_coords(mesh: Mesh, where: str) -> list[tuple[int, ...]]:
+    """Mesh coordinates of this process's devices; a ValueError naming ``where`` when it has none."""
+    mine = [tuple(int(c) for c in np.unravel_index(i, mesh.devices.shape))
+            for i, d in enumerate(mesh.devices.flat) if d.process_index == jax.process_index()]
+    if not mine:
+        raise ValueError(f"{where}: this process (index {jax.process_index()}) holds no device of "
+                         f"{format_mesh(mesh)}; call it on the processes that do")
+    return mine
 
 
 def _ranges(idx: np.ndarray) -> str:

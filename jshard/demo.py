@@ -8,7 +8,13 @@ deterministic synthetic corpus, next to the same model trained on one device. It
 two loss curves differ by more than the rounding of a reordered computation explains
 (``jshard.validate.tolerance``, with the loss's summation chain from ``jshard.gpt.summed_terms``).
 
-    python -m jshard.demo [--mesh dp=2,tp=4] [--style tp|sp|fsdp|dp] [--steps 20] [--layers 2]
+It takes the path that scales: the model is built sharded (``parallelize`` of a constructor: no device ever
+holds a sharded parameter whole) and each process reads only its own rows of every batch
+(``jshard.process_rows`` and ``jshard.from_process_local``, what a per-host data loader does).
+``--processes 2`` runs it as JAX's multi-controller mode runs on two hosts: it launches two processes of 4 CPU
+devices each (``jshard.launch``), joined by ``jax.distributed``, with the data axis crossing them.
+
+    python -m jshard.demo [--mesh dp=2,tp=4] [--style tp|sp|fsdp|dp] [--steps 20] [--layers 2] [--processes 2]
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import argparse
 import math
 import os
 import sys
+import tempfile
 import time
 
 
@@ -56,8 +63,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--style", default="tp", choices=["tp", "sp", "fsdp", "dp"])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--processes", type=int, default=1, help="run as this many JAX processes (localhost)")
+    ap.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
+    ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     names, sizes = parse_mesh(args.mesh)
+    if args.processes > 1 and args.process_id is None:
+        return _launch(args, argv if argv is not None else sys.argv[1:], math.prod(sizes))
+    if args.process_id is not None:
+        from jshard.launch import join
+
+        # gloo's connection chatter goes to file descriptor 1: keep it there, and the demo's own lines apart
+        shown = os.dup(1)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        sys.stdout = os.fdopen(shown, "w", buffering=1)
+        join(args.process_id, args.port, args.processes)
     _ensure_devices(max(8, math.prod(sizes)))
 
     import jax
@@ -76,10 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     devices = jax.devices()
     if len(devices) < n:
         devices = jax.devices("cpu")
-    mesh = jax.make_mesh(sizes, names, devices=devices[:n])
+    # process by process: the first mesh axis (data) crosses processes, the others stay inside one
+    devices = sorted(devices, key=lambda d: (d.process_index, d.id))[:n]
+    mesh = jax.make_mesh(sizes, names, devices=devices)
     vocab, dim, heads, seq, batch = 64, 64, 4, 32, 8
+    if jax.process_index() != 0:  # every process runs the same program; one of them reports
+        sys.stdout = open(os.devnull, "w")
+    where = f"{jax.process_count()} processes, " if jax.process_count() > 1 else ""
     print(f"jshard demo: a {args.layers}-layer GPT (vocab {vocab}, width {dim}, {heads} heads, sequence {seq}) "
-          f"on {jshard.spec.format_mesh(mesh)} of {devices[0].platform} devices, style {args.style!r}\n")
+          f"on {jshard.spec.format_mesh(mesh)} of {where}{devices[0].platform} devices, style {args.style!r}\n")
 
     def make():
         return GPT(vocab, dim, heads, args.layers, seq, rngs=nnx.Rngs(0))
@@ -88,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         return cross_entropy(model(ids), labels)
 
     styles, default = plan(args.style, dp=names[0], tp=names[-1])
-    model = parallelize(make(), mesh, styles, default=default)
+    model = parallelize(make, mesh, styles, default=default)  # built sharded: each device draws its blocks
     print("placements of block 0 (one entry per mesh axis):")
     for path, var in nnx.iter_graph(model.blocks[0]):
         if isinstance(var, nnx.Param):
@@ -100,10 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     tokens = corpus(vocab, args.steps * batch * (seq + 1) + 1)
     windows = tokens[: args.steps * batch * (seq + 1)].reshape(args.steps, batch, seq + 1)
     data_axes = tuple(Shard(0) if a == names[0] else Replicate() for a in names)  # the batch over the data axis
+    rows = jshard.process_rows(mesh, data_axes, (batch, seq))[0]  # this process's rows of every batch
 
     def shard(step):
-        ids, labels = windows[step, :, :-1], windows[step, :, 1:]
-        return [jshard.distribute(a, mesh, data_axes) for a in (ids, labels)]
+        ids, labels = windows[step, rows, :-1], windows[step, rows, 1:]  # a per-host loader reads only these
+        return [jshard.from_process_local(a, mesh, data_axes, shape=(batch, seq)) for a in (ids, labels)]
 
     tx = optax.adamw(3e-3, eps=1e-6)
     train = TrainStep(model, tx, loss_fn)
@@ -129,6 +155,29 @@ def main(argv: list[str] | None = None) -> int:
     print(f"loss {ours[0]:.4f} -> {ours[-1]:.4f} (log vocab = {np.log(vocab):.4f}); largest relative difference "
           f"from one device: {worst:.1e}, {ratio:.2f} of the rounding bound -> {'OK' if ratio <= 1 else 'MISMATCH'}")
     return 0 if ratio <= 1 else 1
+
+
+def _launch(args, argv: list[str], n_devices: int) -> int:
+    """Run the demo as ``args.processes`` local JAX processes (``jshard.launch``); process 0 prints."""
+    from jshard.launch import launch, log_tail
+
+    if n_devices % args.processes:
+        raise SystemExit(f"--processes {args.processes} must divide the mesh's {n_devices} devices")
+    print(f"launching {args.processes} JAX processes of {n_devices // args.processes} CPU devices each "
+          "(jax.distributed on localhost, gloo collectives)", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        errs = [os.path.join(tmp, f"process{i}.err") for i in range(args.processes)]
+        codes = launch(lambda i, port: [sys.executable, "-m", "jshard.demo", *argv, "--process-id", str(i),
+                                        "--port", str(port)],
+                       processes=args.processes, devices=n_devices // args.processes, timeout=900,
+                       logs=[(None, e) for e in errs])
+        if all(c == 0 for c in codes):
+            return 0
+        print(f"\nprocess exit codes {codes} (None: killed after a peer failed or at the 900 s timeout)")
+        for i, (c, e) in enumerate(zip(codes, errs)):
+            if c != 0:
+                print(f"process {i} stderr:\n{log_tail(e)}")
+        return 1
 
 
 if __name__ == "__main__":

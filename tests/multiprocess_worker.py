@@ -27,13 +27,9 @@ import jax
 
 PROCESS_ID, PORT, RESULT = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 
-# gloo: the CPU cross-process collectives (jax 0.10.2's default; without them a cross-process program fails with
-# "Multiprocess computations aren't implemented on the CPU backend"). A peer that never starts fails initialize
-# after 60 s; one that dies later makes the coordination service abort this process (heartbeats); the launcher's
-# hard timeout covers the rest (a peer stuck in Python keeps sending heartbeats).
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(coordinator_address=f"127.0.0.1:{PORT}", num_processes=2, process_id=PROCESS_ID,
-                           initialization_timeout=60, heartbeat_timeout_seconds=30, shutdown_timeout_seconds=60)
+from jshard.launch import join  # noqa: E402 - jshard.launch imports no JAX device code
+
+join(PROCESS_ID, PORT)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -246,6 +242,45 @@ def check_reduce_random_partials(mesh: Mesh, tag: str) -> None:
                          err_msg=f"{tag} Psum -> S0 at {c}")
 
 
+def my_rows(mesh: Mesh, codes, value) -> tuple[slice, ...]:
+    """The part of ``value`` this process's devices hold under ``codes`` (one range per dim: the union of their
+    blocks' index ranges), which is what ``from_process_local`` takes from it."""
+    spans = []
+    for d, n in enumerate(value.shape):
+        pieces = []
+        for c, m in zip(coords_of(mesh), mine(mesh)):
+            if not m:
+                continue
+            piece = slice(0, n)
+            for axis, code in enumerate(codes):
+                if code == f"S{d}":
+                    inner = chunk(piece.stop - piece.start, mesh.devices.shape[axis], c[axis])
+                    piece = slice(piece.start + inner.start, piece.start + inner.stop)
+            pieces.append(piece)
+        spans.append(slice(min(p.start for p in pieces), max(p.stop for p in pieces)))
+    return tuple(spans)
+
+
+def check_from_process_local(mesh: Mesh, codes, value) -> None:
+    """Each process passes only its own rows (a per-host loader's batch); every device gets exactly its block."""
+    x = jshard.from_process_local(value[my_rows(mesh, codes, value)], mesh, placements(codes), shape=value.shape)
+    compare_locals(host(x.to_local()), expected_locals(value, mesh, codes), f"from_process_local {name_of(codes)}")
+    assert np.array_equal(np.asarray(x.full()), value), f"from_process_local {name_of(codes)}: full() differs"
+
+
+def check_jax_arrays_in(mesh: Mesh, codes, value) -> None:
+    """A sharded ``jax.Array`` (a NamedSharding array spanning both processes) passed to ``jshard.jit`` and one
+    closed over: taken as they are (no host fetch, which would fail for non-addressable arrays)."""
+    sharding = jshard.distribute(value, mesh, placements(codes)).spec.to_named_sharding()
+    x = jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+    w = jax.make_array_from_callback(value.shape, sharding, lambda index: value[index] * 0.5)
+    assert not x.is_fully_addressable
+    y = jshard.jit(lambda a: jnp.tanh(a * w).sum(0) + a[0])(x)
+    t = np.tanh(value * (value * 0.5))
+    assert_close(np.asarray(y.full()), t.sum(0) + value[0], n=value.shape[0] + 1,
+                 terms=np.abs(t).sum(0) + np.abs(value[0]), err_msg=f"jax.Array in, {name_of(codes)}")
+
+
 # ---------------------------------------------------------------------------------------------------
 # jshard.jit: a small MLP forward and value_and_grad, against float64 numpy
 
@@ -330,7 +365,17 @@ def check_gpt() -> None:
     styles, default = plan("tp", dp="dp", tp="tp")
     tx = optax.adamw(3e-3, eps=1e-6)
     t0 = time.perf_counter()
-    train = TrainStep(parallelize(make(), mesh, styles, default=default), tx, loss_fn)
+    model = parallelize(make, mesh, styles, default=default)  # sharded initialisation: the scalable path
+    RESULTS["seconds"]["gpt: sharded init"] = round(time.perf_counter() - t0, 3)
+    ours = jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param),
+                                               is_leaf=lambda a: isinstance(a, jshard.DArray))
+    eager = jax.tree.leaves(nnx.state(make(), nnx.Param))
+    assert len(ours) == len(eager) and all(isinstance(v, jshard.DArray) for _, v in ours), ours
+    for (path, got), want in zip(ours, eager):  # bitwise: each device drew exactly its elements
+        assert np.array_equal(np.asarray(got.full()), np.asarray(want)), f"sharded init of {path} differs"
+    RESULTS["digests"]["gpt/init"] = digest(*[np.asarray(v.full()) for _, v in ours])
+    t0 = time.perf_counter()
+    train = TrainStep(model, tx, loss_fn)
     ours = []
     for step in range(steps):
         ids, labels = (jshard.distribute(a, mesh, [Shard(0), Replicate()])
@@ -365,6 +410,11 @@ def main() -> None:
         for src, dst in cases:
             check(f"redistribute/{key}/{name_of(src)}->{name_of(dst)}", check_redistribute, mesh, src, dst, VALUE)
         check(f"redistribute/{key}/random_partial_sums", check_reduce_random_partials, mesh, key)
+    for key, mesh in MESHES.items():
+        data = MLP_LAYOUTS[key][0]
+        for codes in (data, ("S1",) + data[1:]):
+            check(f"from_process_local/{key}/{name_of(codes)}", check_from_process_local, mesh, codes, VALUE)
+        check(f"jax_arrays_in/{key}", check_jax_arrays_in, mesh, data, EVEN)
     for key in MESHES:
         check(f"jit_mlp/{key}", check_mlp, key)
     check("gpt/tp_2x4", check_gpt)

@@ -1,11 +1,13 @@
 """JAX's multi-controller mode: two processes of 4 CPU devices each on localhost, one 8-device mesh.
 
-The test launches tests/multiprocess_worker.py twice (process ids 0 and 1, a free coordinator port, gloo CPU
-collectives, different hash seeds to catch set/dict-order dependence between the processes). Each worker runs
-every check on meshes whose axes in turn cross the two processes: ``distribute`` (Shard, uneven Shard,
-Replicate, Partial) and ``from_local`` against independently computed local blocks, ``redistribute`` across
-placement kinds, ``jshard.jit`` of an MLP and its ``value_and_grad`` against float64 numpy, and 3 tensor-parallel
-``TrainStep``s of the demo's GPT against one device. Here: both exit 0 within a hard timeout, every check
+The test launches tests/multiprocess_worker.py twice with ``jshard.launch`` (process ids 0 and 1, a free
+coordinator port, gloo CPU collectives, different hash seeds to catch set/dict-order dependence between the
+processes). Each worker runs every check on meshes whose axes in turn cross the two processes: ``distribute``
+(Shard, uneven Shard, Replicate, Partial), ``from_local`` and ``from_process_local`` (each process its own rows)
+against independently computed local blocks, ``redistribute`` across placement kinds, sharded ``jax.Array``s
+passed to and closed over by ``jshard.jit``, ``jshard.jit`` of an MLP and its ``value_and_grad`` against float64
+numpy, and the demo's GPT initialised sharded (bitwise the eager values) and trained 3 tensor-parallel
+``TrainStep``s against one device. Here: both exit 0 within a hard timeout, every check
 passed, and the two processes computed bitwise-equal losses, gradients and reduced values.
 
 One launch of both workers does everything (a few seconds of compilation on each); the test never waits on a
@@ -16,70 +18,24 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
+
+from jshard.launch import launch, log_tail
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "multiprocess_worker.py")
 TIMEOUT = 240  # seconds, for both workers together
-GROUPS = ("distribute", "from_local", "redistribute", "jit_mlp", "gpt")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def worker_env(process_id: int) -> dict:
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-    env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=4"])
-    env["JAX_PLATFORMS"] = "cpu"
-    env.pop("JAX_NUM_CPU_DEVICES", None)
-    env["PYTHONHASHSEED"] = str(process_id + 1)  # the processes must agree without agreeing on hash order
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-def tail(path: str, n: int = 3000) -> str:
-    """The end of a worker's stderr without gloo's connection chatter and C++ stack frames."""
-    try:
-        with open(path, errors="replace") as f:
-            lines = [line for line in f if not line.startswith(("[Gloo]", "    @ "))]
-    except OSError as e:
-        return f"<{e}>"
-    return "".join(lines)[-n:]
+GROUPS = ("distribute", "from_local", "from_process_local", "jax_arrays_in", "redistribute", "jit_mlp", "gpt")
 
 
 def run_workers(tmp) -> tuple[list[int | None], list[str], list[dict | None], float]:
     """Launch both workers; return their exit codes (None: killed), stderr tails, result files and the wall time."""
-    port = free_port()
-    procs, logs = [], []
+    logs = [(str(tmp / f"worker{i}.out"), str(tmp / f"worker{i}.err")) for i in range(2)]
     t0 = time.monotonic()
-    try:
-        for i in range(2):
-            out, err = tmp / f"worker{i}.out", tmp / f"worker{i}.err"
-            logs.append((out, err))
-            with open(out, "w") as o, open(err, "w") as e:
-                procs.append(subprocess.Popen([sys.executable, WORKER, str(i), str(port), str(tmp / f"result{i}.json")],
-                                              cwd=ROOT, env=worker_env(i), stdout=o, stderr=e,
-                                              stdin=subprocess.DEVNULL))
-        deadline = t0 + TIMEOUT
-        while time.monotonic() < deadline:
-            codes = [p.poll() for p in procs]
-            if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
-                break  # both done, or one failed: the other would wait on it for its collectives
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+    codes = launch(lambda i, port: [sys.executable, WORKER, str(i), str(port), str(tmp / f"result{i}.json")],
+                   processes=2, devices=4, timeout=TIMEOUT, logs=logs, cwd=ROOT)
     wall = time.monotonic() - t0
-    codes = [p.returncode for p in procs]
     results = []
     for i in range(2):
         try:
@@ -87,7 +43,7 @@ def run_workers(tmp) -> tuple[list[int | None], list[str], list[dict | None], fl
                 results.append(json.load(f))
         except (OSError, ValueError):
             results.append(None)
-    return codes, [tail(str(err)) for _, err in logs], results, wall
+    return codes, [log_tail(err) for _, err in logs], results, wall
 
 
 def test_two_processes_of_four_cpu_devices(tmp_path):
@@ -95,7 +51,7 @@ def test_two_processes_of_four_cpu_devices(tmp_path):
     problems = []
     for i, (code, err) in enumerate(zip(codes, stderr)):
         if code != 0:
-            why = f"exit code {code}" if code is not None and code >= 0 else "killed (timeout, or its peer failed)"
+            why = f"exit code {code}" if code is not None else "killed (timeout, or its peer failed)"
             done = "" if results[i] is None else f" after {len(results[i]['checks'])} checks"
             problems.append(f"worker {i}: {why}{done} ({wall:.0f} s); stderr tail:\n{err}")
     for i, r in enumerate(results):

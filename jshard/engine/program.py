@@ -18,11 +18,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ..darray import DeletedArrayError, donation_of, donation_slot
-from ..jaxcompat import source_info_util
-from ..spec import Spec
+from ..darray import DArray, DeletedArrayError, donation_of, donation_slot, from_jax, same_devices
+from ..jaxcompat import open_jaxpr, source_info_util
+from ..spec import Spec, format_mesh
 from .kernel import communicates, local_function
 from .walk import JaxprPlan, plan_jaxpr
 
@@ -45,6 +45,7 @@ class Traced:
     out_tree: Any  # the tree structure of its outputs
     plan: JaxprPlan
     pins: list  # per output: the spec it is moved to, or None
+    lifted: list  # the sharded arrays it closed over (DArrays), the plan's first inputs
 
     @property
     def out_specs(self) -> list[Spec]:
@@ -71,10 +72,34 @@ def trace(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, pins: Callable[[
 
     closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(*avals)
     out_tree = jax.tree.structure(out_shape)
-    plan = plan_jaxpr(closed, specs, mesh)
-    pinned = [None if pin is None else plan.out_specs[i].with_placements(pin, where=f"out_placements (output {i})")
-              for i, pin in enumerate(pins(out_tree, len(plan.outs)))]
-    return Traced(out_tree, plan, pinned)
+    pinned = [None if pin is None else Spec.create(mesh, pin, a.shape, a.dtype, where=f"out_placements (output {i})")
+              for i, (pin, a) in enumerate(zip(pins(out_tree, len(closed.out_avals)), closed.out_avals))]
+    lifted = [_lifted(c, mesh, name) for c in open_jaxpr(closed)[1]]
+    plan = plan_jaxpr(closed, specs, mesh, pinned, [d.spec if d is not None else None for d in lifted])
+    return Traced(out_tree, plan, pinned, [d for d in lifted if d is not None])
+
+
+def _lifted(const: Any, mesh: Mesh, name: str) -> DArray | None:
+    """A closed-over constant as a DArray input, when it is a ``jax.Array`` split over the mesh's devices or
+    spanning other processes (as a literal it would be fetched whole to the host); None for the others."""
+    if not (isinstance(const, jax.Array) and isinstance(const.sharding, NamedSharding)):
+        return None
+    typed = getattr(getattr(jax.typeof(const), "sharding", None), "spec", None) or ()
+    if any(entry is not None for entry in typed):
+        # its type carries the sharding (Explicit mesh axes), which every equation using it would carry too
+        raise ValueError(f"jshard.jit: {name or 'the function'} closes over a jax.Array {const.aval.str_short()} "
+                         f"sharded on Explicit mesh axes of {format_mesh(const.sharding.mesh)} "
+                         f"({const.sharding.spec}); pass it as an argument instead (an argument on the mesh is taken "
+                         "as it is), or close over jshard.from_jax(x) passed in, or a mesh with Auto axes")
+    if const.is_fully_replicated and const.is_fully_addressable:
+        return None
+    if same_devices(const.sharding.mesh, mesh):
+        return from_jax(const, mesh)
+    if const.is_fully_addressable:
+        return None
+    raise ValueError(f"jshard.jit: {name or 'the function'} closes over a jax.Array {const.aval.str_short()} on "
+                     f"{format_mesh(const.sharding.mesh)}, spanning other processes, but runs on {format_mesh(mesh)}; "
+                     "put it on that mesh (jax.device_put(x, NamedSharding(mesh, spec))) or pass it as an argument")
 
 
 class Program:
@@ -91,6 +116,8 @@ class Program:
         self.out_specs, self.out_tree = traced.out_specs, traced.out_tree
         self.single = self.out_tree == jax.tree.structure(0)  # one array out: no tree to rebuild
         self._specs, self._name, self._where = specs, name, where
+        self._lifted = [d.block for d in traced.lifted]  # closed-over sharded arrays: the first inputs
+        lift = len(self._lifted)
         self._donated, self._donated_set = donated, frozenset(donated)
         self._slot = donation_slot(lambda i: where(i) + " (jshard.jit donate_argnums)") if donated else None
         run = local_function(traced.plan, traced.pins)
@@ -104,9 +131,13 @@ class Program:
             return [r.reshape((1,) * k + r.shape) for r in results + token]
 
         block = PartitionSpec(*mesh.axis_names)
-        self.jitted = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(block,) * len(specs),
+        self.jitted = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(block,) * (lift + len(specs)),
                                             out_specs=[block] * (len(self.out_specs) + self._bounded),
-                                            check_vma=False), donate_argnums=donated)
+                                            check_vma=False), donate_argnums=tuple(lift + i for i in donated))
+
+    def lower(self, blocks: list) -> Any:
+        """The lowered ``jax.jit`` program for input ``blocks`` (``.as_text()``, ``.compile()``)."""
+        return self.jitted.lower(*self._lifted, *blocks)
 
     def run(self, blocks: list) -> list:
         """The output blocks of a call on input ``blocks``."""
@@ -122,7 +153,7 @@ class Program:
             if len({id(b) for b in blocks}) < len(blocks):
                 self._refuse_shared_donation(blocks)
             self._slot.blocks = blocks
-        out = self.jitted(*blocks)
+        out = self.jitted(*self._lifted, *blocks)
         if self._bounded:
             self._in_flight.append(out.pop())
             if len(self._in_flight) > CPU_IN_FLIGHT:

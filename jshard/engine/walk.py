@@ -107,8 +107,10 @@ class JaxprPlan:
         return sorted(names)
 
 
-# identities on each operand, whatever its placement (a Partial included): they run on the blocks as they are
-_AS_THEY_ARE = frozenset({"optimization_barrier"})
+# identities on each operand, whatever its placement (a Partial included): they run on the blocks as they are,
+# bound as they are (None) or as the identity (reshard: its params name a global layout, which a block has not;
+# jax.grad of a function that closes over a sharded array reshards the seed)
+_AS_THEY_ARE: dict[str, Callable | None] = {"optimization_barrier": None, "reshard": lambda *blocks: list(blocks)}
 
 # control flow: name -> walk(eqn, specs, mesh) -> (Choice, local kernel, bodies); see jshard.engine.control
 _CONTROL: dict[str, Callable] = {}
@@ -124,13 +126,21 @@ def control(name: str) -> Callable[[Callable], Callable]:
     return register
 
 
-def plan_jaxpr(closed: jc.ClosedJaxpr, specs: list[Spec], mesh: Mesh) -> JaxprPlan:
-    """The plan of ``closed`` for inputs with ``specs`` on ``mesh``."""
-    env = dict(zip(closed.jaxpr.invars, specs))
-    const_vars = [jc.Literal(c, jax.typeof(c)) for c in closed.consts]
+def plan_jaxpr(closed: jc.ClosedJaxpr, specs: list[Spec], mesh: Mesh, pinned: list[Spec | None] | None = None,
+               lifted: list[Spec | None] | None = None) -> JaxprPlan:
+    """The plan of ``closed`` for inputs with ``specs`` on ``mesh``; ``pinned`` (per output, a spec or None) are
+    where the caller moves the outputs afterwards: producers are asked to make them there (an initialiser
+    draws each device's shard, never the whole array). ``lifted`` (per const, a spec or None) makes consts
+    inputs of the plan, ahead of the others (a sharded array the function closed over), instead of literals."""
+    jaxpr, consts = open_jaxpr(closed)
+    lifted = lifted or [None] * len(consts)
+    env = dict(zip(jaxpr.invars, specs))
+    env.update((v, s) for v, s in zip(jaxpr.constvars, lifted) if s is not None)
+    const_vars = [v if s is not None else jc.Literal(c, jax.typeof(c))
+                  for v, c, s in zip(jaxpr.constvars, consts, lifted)]
     equations: list[EquationPlan] = []
-    outs = _walk_closed(closed.jaxpr, const_vars, list(closed.jaxpr.invars), env, equations, mesh)
-    _reseat(equations, outs, env, mesh)
+    outs = _walk_closed(jaxpr, const_vars, list(jaxpr.invars), env, equations, mesh)
+    _reseat(equations, outs, env, mesh, pinned or [None] * len(outs))
     live = {o for o in outs if not isinstance(o, jc.Literal)}  # drop dead equations (and their collectives)
     kept = []
     for eq in reversed(equations):
@@ -147,7 +157,8 @@ def plan_jaxpr(closed: jc.ClosedJaxpr, specs: list[Spec], mesh: Mesh) -> JaxprPl
                 seen.add((op.value, target))
     out_specs = [replicated(mesh, np.shape(o.val), o.aval.dtype) if isinstance(o, jc.Literal) else env[o]
                  for o in outs]  # a constant output is replicated: every device holds it whole
-    return JaxprPlan(list(closed.jaxpr.invars), equations, outs, out_specs)
+    inputs = [v for v, s in zip(jaxpr.constvars, lifted) if s is not None] + list(jaxpr.invars)
+    return JaxprPlan(inputs, equations, outs, out_specs)
 
 
 def replicated(mesh: Mesh, shape, dtype) -> Spec:
@@ -208,7 +219,7 @@ def _walk(jaxpr: jc.Jaxpr, in_vars: list, env: dict, equations: list, mesh: Mesh
             target = constrain_target(specs[0], eqn.params["placements"])
             choice = Choice((target,), (target,), 0.0, None)
         elif name in _AS_THEY_ARE:
-            choice = Choice(tuple(specs), tuple(specs), 0.0, None)
+            choice, kernel = Choice(tuple(specs), tuple(specs), 0.0, None), _AS_THEY_ARE[name]
         elif name in _CONTROL:
             choice, kernel, bodies = _CONTROL[name](eqn, specs, mesh)
         else:
@@ -233,9 +244,10 @@ def _walk_closed(jaxpr, const_vars, args, env, equations, mesh, site=None):
                  list(const_vars) + list(args), env, equations, mesh, site)
 
 
-def _reseat(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh) -> None:
+def _reseat(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh, pinned: list) -> None:
     """The walk chooses forwards, from the inputs' placements; this pass looks back from the consumers. Where
-    every consumer of a value moves it to one spec, the producer is asked to produce that spec directly,
+    every consumer of a value moves it to one spec (a pinned output is a consumer; an unpinned one keeps
+    what the walk chose), the producer is asked to produce that spec directly,
     and does so when that needs no collective of its own (its inputs only slice): a dropout mask drawn
     only where the activations are, not drawn whole and sliced. Producers are visited last-first, so a
     re-seated equation's own input slices become demands on the equations before it."""
@@ -244,7 +256,14 @@ def _reseat(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh) ->
         for i, op in enumerate(eq.operands):
             if not op.literal:
                 uses.setdefault(op.value, []).append((eq, i))
-    returned = {o for o in outs if not isinstance(o, jc.Literal)}
+    returned = set()
+    for o, pin in zip(outs, pinned):
+        if isinstance(o, jc.Literal):
+            continue
+        if pin is None:
+            returned.add(o)
+        else:
+            uses.setdefault(o, []).append((_Pin((pin,)), 0))
     for eq in reversed(equations):
         if eq.kernel is not None or eq.eqn.primitive is constrain_p:
             continue
@@ -270,6 +289,16 @@ def _reseat(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh) ->
     for eq in equations:
         eq.operands = [op._replace(move=None if s == t else plan_redistribute(s, t.placements))
                        for op, s, t in zip(eq.operands, _operand_specs(eq, env, mesh), eq.choice.ins)]
+
+
+class _Pin(NamedTuple):
+    """A pinned output, seen by ``_reseat`` as one more consumer: it runs with ``ins[0]``."""
+
+    ins: tuple
+
+    @property
+    def choice(self):
+        return self
 
 
 def _operand_specs(eq: EquationPlan, env: dict, mesh: Mesh) -> list[Spec]:

@@ -30,11 +30,10 @@ from __future__ import annotations
 
 import fnmatch
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -54,11 +53,19 @@ __all__ = ["parallelize", "placements_of"]
 source_info_util.register_exclusion(os.path.abspath(__file__))
 
 
-def parallelize(model: nnx.Module, mesh: Mesh,
+def parallelize(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh,
                 plan: Mapping[str, ParallelStyle | Sequence[ParallelStyle]] | None = None, *,
                 default: ParallelStyle | Sequence[ParallelStyle] = (),
                 rules: Mapping[str, Any] | Sequence[tuple[str, Any]] = ()) -> nnx.Module:
-    """Distribute the parameters of ``model`` (an NNX module, changed in place and returned) over ``mesh``.
+    """Distribute the parameters of ``model`` over ``mesh``: a constructor (a function of no arguments that builds
+    the NNX module), or a built module (changed in place and returned).
+
+    **Large models: pass the constructor**, ``parallelize(lambda: GPT(cfg, rngs=nnx.Rngs(0)), mesh, plan)``. The
+    module is first built abstractly (``nnx.eval_shape``: shapes only) to find every parameter's placements; then
+    the constructor runs once more as one ``jshard.jit`` program with the parameters' placements pinned, so each
+    device draws only its own blocks of each parameter (no device and no host ever holds a sharded parameter
+    whole) and the values are exactly those of the eager single-device construction. A built module is fine
+    for small models: its parameters are distributed from where they are.
 
     ``plan``: ``{module path pattern: style or [styles]}`` (first matching pattern wins; ``""`` is the model
     itself); ``default``: styles applied to every parameter first (say ``FullyShard("dp")``); ``rules``:
@@ -67,10 +74,24 @@ def parallelize(model: nnx.Module, mesh: Mesh,
 
     All or nothing: the plan is checked and every parameter's placements are found and its DArray built before
     the model changes, so a call that raises leaves the model as it was.
+
+    >>> import jax, jshard
+    >>> from flax import nnx
+    >>> from jshard.parallel import FullyShard, parallelize
+    >>> mesh = jax.make_mesh((8,), ("dp",))
+    >>> lin = parallelize(lambda: nnx.Linear(16, 32, rngs=nnx.Rngs(0)), mesh, default=FullyShard("dp"))
+    >>> lin.kernel.get_value().placements
+    (S(0),)
+    >>> bool((lin.kernel.get_value().full() == nnx.Linear(16, 32, rngs=nnx.Rngs(0)).kernel.get_value()).all())
+    True
     """
+    build = None
     if not isinstance(model, nnx.Module):
-        raise TypeError(f"parallelize: model must be a Flax nnx.Module, got {kind_of(model)}; a pytree of arrays is "
-                        "placed with jshard.distribute(x, mesh, placements) instead")
+        if not callable(model):
+            raise TypeError(f"parallelize: model must be a Flax nnx.Module or a function of no arguments building "
+                            f"one (lambda: GPT(cfg, rngs=nnx.Rngs(0))), got {kind_of(model)}; a pytree of arrays is "
+                            "placed with jshard.distribute(x, mesh, placements) instead")
+        build, model = model, _abstract(model)
     if not isinstance(mesh, Mesh):
         raise TypeError(f"parallelize: mesh must be a jax.sharding.Mesh (say jax.make_mesh((2, 4), ('dp', 'tp'))), "
                         f"got {kind_of(mesh)}")
@@ -104,12 +125,16 @@ def parallelize(model: nnx.Module, mesh: Mesh,
         owners.add(owner_path)
         value = var.get_value()
         full = value.full() if isinstance(value, DArray) else value
-        shape = tuple(jnp.shape(full))
+        shape = tuple(full.shape)
         placements = list(_annotated(var, mesh, shape, full.dtype, rules))
         for style in default + matched[owner_path]:
             placements[names.index(style.axis)] = style.param(modules[owner_path], str(path[-1]), shape)
         params.append((var, full, placements))
-    values = [distribute(full, mesh, placements) for _, full, placements in params]
+    if build is None:
+        values = [distribute(full, mesh, placements) for _, full, placements in params]
+    else:
+        values = _initialised(build, mesh, [tuple(p) for _, _, p in params])
+        nnx.update(model, _other_state(build))
     # every callable module holding parameters (the model itself among them) learns to run eagerly on DArrays
     holders = {owner[:i] for owner in owners for i in range(len(owner) + 1)}
     classes = {}
@@ -128,6 +153,37 @@ def parallelize(model: nnx.Module, mesh: Mesh,
     for path, cls in classes.items():
         modules[path].__class__ = cls
     return model
+
+
+def _abstract(build: Callable[[], nnx.Module]) -> nnx.Module:
+    """The module ``build()`` makes, with shapes and dtypes in place of values (nothing is computed)."""
+    try:
+        model = nnx.eval_shape(build)
+    except TypeError as e:
+        if "argument" not in str(e):
+            raise
+        raise TypeError(f"parallelize: model is called with no arguments to build the module, and {kind_of(build)} "
+                        f"needs some ({e}); pass lambda: {getattr(build, '__name__', 'Model')}(cfg, "
+                        "rngs=nnx.Rngs(0))") from None
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"parallelize: the constructor returned {kind_of(model)}, not a Flax nnx.Module")
+    return model
+
+
+def _param_values(module: nnx.Module) -> list:
+    return [v.get_value() for _, v in nnx.iter_graph(module) if isinstance(v, nnx.Param)]
+
+
+def _initialised(build: Callable[[], nnx.Module], mesh: Mesh, placements: list[tuple]) -> list[DArray]:
+    """The parameters ``build()`` makes, as DArrays with ``placements`` (in ``nnx.iter_graph`` order), computed
+    by one ``jshard.jit`` program: every device computes its own blocks."""
+    return jit(lambda: _param_values(build()), out_placements=placements, mesh=mesh)()
+
+
+def _other_state(build: Callable[[], nnx.Module]) -> nnx.State:
+    """The state ``build()`` makes besides parameters (RNG keys and counts, batch statistics): small, so held as
+    plain arrays, as an eager construction holds them (the parameters' computation is dead code here)."""
+    return jax.jit(lambda: nnx.state(build(), nnx.Not(nnx.Param)))()
 
 
 def placements_of(tree: Any) -> Any:

@@ -105,7 +105,10 @@ def _bits_local(prim, params, in_specs, out_specs):
     def run(keys):
         hi, lo = linear_index([(thi(), tlo()) for thi, tlo in tables], block[kr:])
         data = jax.random.key_data(keys)
-        k1, k2 = (jnp.broadcast_to(jnp.reshape(data[..., i], data.shape[:-1] + (1,) * len(shape)), block)
+        # one key: its words stay scalars (threefry broadcasts them), so the hash's loop carries only the
+        # counters, not two more block-sized copies of the key (a third of an initialiser's peak memory)
+        k1, k2 = ((data[..., i] if kr == 0 else
+                   jnp.broadcast_to(jnp.reshape(data[..., i], data.shape[:-1] + (1,) * len(shape)), block))
                   for i in (0, 1))
         x0, x1 = threefry2x32_p.bind(k1, k2, jnp.broadcast_to(hi, block), jnp.broadcast_to(lo, block))
         if width == 64:
