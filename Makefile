@@ -38,6 +38,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/engine.py
 	$(PY) benchmarks/redistribute.py
 	$(PY) benchmarks/train_step.py
+	$(PY) benchmarks/memory.py
 
 clean:
 	rm -rf $(VENV) $(NEWEST) *.egg-info

@@ -9,10 +9,11 @@ on CPU when fewer), FSDP over 8 and DP2 x TP4. Each setup runs in a fresh proces
 Measured: the host's peak resident memory (VmHWM) over the process's baseline after imports; the bytes the
 devices hold afterwards; the initialisation program's per-device peak (``memory_analysis``: outputs plus
 temporaries) over the device's share of the parameters. On CPU the devices' memory is host memory too, so
-"host beyond devices" is the host peak less the devices' peak (all devices' init peaks, or what they hold); and the compiled training step's per-device
-arguments and temporaries, jshard's ``TrainStep`` next to ``jax.jit`` with the same ``NamedSharding``s (lowered
-from shapes, never run). Targets: init peak per device <= 1.1x the share; host beyond devices < 2x the
-parameters; the step's temp + argument bytes <= GSPMD's. Prints a table and writes JSON.
+"host beyond devices" is the host peak less the devices' peak (all devices' init peaks, or what they hold).
+And the compiled training step's per-device arguments and temporaries, jshard's ``TrainStep`` next to ``jax.jit``
+with the same ``NamedSharding``s (lowered from shapes, never run). Targets: init peak per device <= 1.1x the
+share; host beyond devices < 2x the parameters; the step's temp + argument bytes <= GSPMD's. Prints a table and
+writes JSON.
 
     python benchmarks/memory.py [--layers 8] [--dim 1024] [--vocab 32768] [--out benchmarks/results/memory.json]
 """

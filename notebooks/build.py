@@ -90,10 +90,14 @@ styles, _ = plan("tp")
 for path, style in styles.items():
     print(f"{path:<14} {style}")'''),
     ("md", "## Tensor parallel: placements and what one step communicates"),
-    ("code", '''model = parallelize(make(), mesh, *plan("tp")[:1])
+    ("code", '''# built sharded: parallelize runs the constructor so that each device draws only its own blocks
+model = parallelize(make, mesh, *plan("tp")[:1])
 print({k: v for k, v in placements_of(nnx.state(model.blocks[0], nnx.Param)).items() if k in ("q", "o")})
 step = TrainStep(model, optax.adamw(3e-3), loss_fn)
-data = lambda b: [jshard.distribute(a, mesh, [Shard(0), Replicate()]) for a in b]
+# each process reads only its rows of a batch (one process here: all of them), as a per-host loader does
+batch_axes = [Shard(0), Replicate()]
+rows = jshard.process_rows(mesh, batch_axes, (B, T))
+data = lambda b: [jshard.from_process_local(a[rows], mesh, batch_axes, shape=(B, T)) for a in b]
 ex = step.explain(*data(batches[0]))
 print(ex.totals)
 print("\\n".join(str(ex).splitlines()[:12]))'''),
@@ -104,7 +108,7 @@ import matplotlib.pyplot as plt
 volumes = {}
 for style in ["dp", "tp", "sp", "fsdp"]:
     p, default = plan(style)
-    s = TrainStep(parallelize(make(), mesh, p, default=default), optax.adamw(3e-3), loss_fn)
+    s = TrainStep(parallelize(make, mesh, p, default=default), optax.adamw(3e-3), loss_fn)
     volumes[style] = {k: b for k, (c, b) in s.explain(*data(batches[0])).totals.items()}
 kinds = sorted({k for v in volumes.values() for k in v})
 fig, ax = plt.subplots(figsize=(7, 3))
@@ -121,7 +125,7 @@ from jshard.validate.tolerance import curve_ratio
 tx = optax.adamw(3e-3)
 reference = one_device_trainer(make(), tx, loss_fn)  # plain jax.jit on one device
 p, default = plan("sp")
-sp_step = TrainStep(parallelize(make(), mesh, p, default=default), tx, loss_fn)
+sp_step = TrainStep(parallelize(make, mesh, p, default=default), tx, loss_fn)
 ours, theirs = [], []
 for ids, labels in batches:
     ours.append(float(sp_step(*data((ids, labels)))))
