@@ -91,8 +91,14 @@ def child(setup: str, how: str, layers: int, dim: int, vocab: int) -> dict:
         pins = [p.placements for p in params]
         init = jshard.jit(lambda: jax.tree.leaves(nnx.state(make(), nnx.Param)), out_placements=pins, mesh=mesh)
         m = analysis(init.lower().compile())
+        # the same initialiser under jax.jit with the parameters' NamedShardings as out_shardings (GSPMD)
+        auto = jax.make_mesh(shape, names, devices=devices[:8], axis_types=(AxisType.Auto,) * len(shape))
+        outs = [NamedSharding(auto, p.spec.to_partition_spec()) for p in params]
+        g = analysis(jax.jit(lambda: jax.tree.leaves(nnx.state(make(), nnx.Param)), out_shardings=outs)
+                     .lower().compile())
         row.update(init_program=m, init_peak_per_device_bytes=m["output"] + m["temp"],
-                   init_peak_over_share=round((m["output"] + m["temp"]) / share, 3))
+                   init_peak_over_share=round((m["output"] + m["temp"]) / share, 3),
+                   init_gspmd=g, init_gspmd_peak_over_share=round((g["output"] + g["temp"]) / share, 3))
         if on_cpu:  # the devices' temporaries were host memory while the initialiser ran
             row["host_beyond_devices_bytes"] = peak - held - m["temp"] * len(per_device)
     if how != "constructor":
@@ -180,13 +186,14 @@ def main():
     print(f"GPT: vocab {args.vocab}, width {args.dim}, {HEADS} heads, {args.layers} layers, sequence {SEQ}, batch "
           f"{BATCH}: {p['params'] / 1e6:.0f}M parameters, {mb(p['params_bytes'])} MB (float32); MB below\n")
     print(f"{'setup':<8} {'build':<12} {'init s':>7} {'host peak':>10} {'devices hold':>13} {'host beyond':>12} "
-          f"{'/ params':>9} {'share/dev':>10} {'init peak/dev':>14} {'/ share':>8}")
+          f"{'/ params':>9} {'share/dev':>10} {'init peak/dev':>14} {'/ share':>8} {'GSPMD init / share':>19}")
     for r in rows:
         init = r.get("init_peak_per_device_bytes")
         print(f"{r['setup']:<8} {r['how']:<12} {r['init_s']:>7.1f} {mb(r['host_peak_bytes']):>10} "
               f"{mb(r['devices_hold_bytes']):>13} {mb(r['host_beyond_devices_bytes']):>12} "
               f"{r['host_beyond_devices_bytes'] / r['params_bytes']:>9.2f} {mb(r['share_bytes']):>10} "
-              f"{mb(init) if init else '-':>14} {r['init_peak_over_share'] if init else '-':>8}")
+              f"{mb(init) if init else '-':>14} {r['init_peak_over_share'] if init else '-':>8} "
+              f"{r['init_gspmd_peak_over_share'] if init else '-':>19}")
     print(f"\n{'setup':<8} {'step: jshard args':>18} {'temp':>8} {'| GSPMD args':>12} {'temp':>8} "
           f"{'(temp+args) ratio':>18}  (target <= 1)")
     for r in rows:

@@ -19,8 +19,11 @@ CORE_FAMILIES = ("elementwise", "reductions", "contractions", "shapes")
 # sample artifacts, not gaps: within a float tolerance nextafter(x, y) is x, so it "keeps" what x would;
 # trigamma and betainc are monotone on the positive samples only (not on their whole domain)
 # polynomial is non-decreasing in its even-degree coefficients for finite parts only (an infinite part times
-# x**2 = 0 is NaN), so its rule keeps P(max) / P(min) in the constant term alone
-KNOWN_MISSING = {"nextafter", "polygamma", "regularized_incomplete_beta", "polynomial"}
+# x**2 = 0 is NaN), so its rule keeps P(max) / P(min) in the constant term alone;
+# igamma / igammac are monotone in a as well as in x, but only jax >= 0.11 computes them monotonically in a
+# at the samples (jax 0.10.2's rounding breaks it, and the validator finds that strategy incorrect there), so
+# the rule offers monotonicity in x alone
+KNOWN_MISSING = {"nextafter", "polygamma", "regularized_incomplete_beta", "polynomial", "igamma", "igammac"}
 
 _SAMPLES = collect()
 _PRIMS = sorted(set(registered()) & set(_SAMPLES))
