@@ -65,7 +65,7 @@ JIT_CASES = [
      r"argument 0\['o'\] of .* is a object"),
     ("string-keyword", lambda x: jshard.jit(lambda a, b=None: a)(x, b="s"), TypeError, r"keyword 'b' of .* is a str"),
     ("no-darray", lambda x: jshard.jit(two)(np.ones(3), np.ones(3)), ValueError,
-     r"no DArray among the arguments of two"),
+     r"no DArray \(or jax.Array on a mesh\) among the arguments of two .* jshard.jit\(fn, mesh=mesh\)"),
     ("returns-a-string", lambda x: jshard.jit(lambda a: "done")(x), TypeError,
      r"<lambda> \(test_bad_inputs.py:\d+\) returned a str .*returns arrays"),
     ("returns-an-object-in-a-tree", lambda x: jshard.jit(lambda a: {"y": a, "f": print})(x), TypeError,

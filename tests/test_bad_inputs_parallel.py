@@ -76,7 +76,7 @@ def assert_untouched(model: nnx.Module, before: list, x, want: np.ndarray) -> No
 # parallelize(model, mesh): each case gets a fresh model and the (2, 4) mesh
 PARALLELIZE = [
     ("model-dict", linear, lambda m, mesh: parallelize({"kernel": np.ones((4, 8))}, mesh), TypeError,
-     "parallelize: model must be a Flax nnx.Module, got dict"),
+     "parallelize: model must be a Flax nnx.Module or a function of no arguments building one .* got dict"),
     ("model-object", linear, lambda m, mesh: parallelize(object(), mesh), TypeError, "model must be .* got object"),
     ("model-state", linear, lambda m, mesh: parallelize(nnx.state(m), mesh), TypeError, "model must be .* got State"),
     ("mesh-str", linear, lambda m, mesh: parallelize(m, "mesh"), TypeError, "mesh must be a jax.sharding.Mesh.*'mesh'"),

@@ -13,6 +13,15 @@ def test_the_demo_trains_like_one_device(style, capsys):
     assert "of the rounding bound -> OK" in out and "all_reduce x" in out.split("one training step communicates:")[1]
 
 
+def test_the_demo_runs_as_two_processes(capfd):
+    """``--processes 2``: two JAX processes of 4 CPU devices (jax.distributed, gloo), the data axis crossing
+    them, the model built sharded and each process loading its own rows; process 0 reports."""
+    assert demo.main(["--processes", "2", "--steps", "2", "--layers", "1"]) == 0
+    out = capfd.readouterr().out
+    assert "2 processes" in out and "of the rounding bound -> OK" in out
+    assert "[Gloo]" not in out  # the processes' connection chatter is kept off the report
+
+
 def test_the_demo_rejects_a_malformed_mesh():
     with pytest.raises(SystemExit, match="axis=size pairs"):
         demo.main(["--mesh", "dp2,tp4"])
