@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from .darray import DArray, from_jax, same_devices
+from .darray import DArray, adopt, same_devices
 from .engine import TRACED_DARRAY
 from .spec import format_mesh
 
@@ -102,15 +102,7 @@ def as_darray(a: Any, mesh: Mesh, where: str) -> DArray | None:
     """A ``jax.Array`` on ``mesh``'s devices as a DArray (``from_jax``); None for a value the call distributes
     from the host (numbers, numpy arrays, single-device arrays). An array spanning other processes on another
     mesh can do neither, and is refused naming ``where``."""
-    if not on_mesh(a):
-        return None
-    if same_devices(a.sharding.mesh, mesh):
-        return from_jax(a, mesh)
-    if a.is_fully_addressable:
-        return None
-    raise ValueError(f"jshard.jit: {where} is a jax.Array on {_mesh_desc(a.sharding.mesh)}, spanning other processes, "
-                     f"but the call runs on {_mesh_desc(mesh)}; put it on that mesh: "
-                     "jax.device_put(x, NamedSharding(mesh, spec)) or jshard.from_jax")
+    return adopt(a, mesh, where) if on_mesh(a) else None
 
 
 def plain_dtype(a: Any, where: str) -> np.dtype:

@@ -35,7 +35,7 @@ from .placements import Placement, Replicate, format_placements
 from .planner import check_cost_model, plan_redistribute
 from .spec import Spec, block_sharding, check_dtype, check_mesh, format_mesh
 
-__all__ = ["DArray", "DeletedArrayError", "distribute", "from_jax", "from_local", "from_process_local", "process_rows",
+__all__ = ["DArray", "DeletedArrayError", "adopt", "distribute", "from_jax", "from_local", "from_process_local", "process_rows",
            "same_devices"]
 
 # equations are attributed to the user's line: jshard's own wrappers are not it
@@ -383,6 +383,19 @@ def from_jax(x: jax.Array, mesh: Mesh | None = None) -> DArray:
     shards = [s.data.reshape(block_shape) for s in x.addressable_shards]
     block = jax.make_array_from_single_device_arrays(spec.block_shape, block_sharding(spec.mesh), shards)
     return DArray(block, spec)
+
+
+def adopt(x: jax.Array, mesh: Mesh, what: str) -> DArray | None:
+    """``x`` (a ``jax.Array`` with a ``NamedSharding``) as a DArray on ``mesh`` where it already lives on its
+    devices (``from_jax``); None where the caller may copy it through the host (every shard is addressable);
+    else (it spans other processes, on other devices) a ValueError naming ``what``."""
+    if same_devices(x.sharding.mesh, mesh):
+        return from_jax(x, mesh)
+    if x.is_fully_addressable:
+        return None
+    raise ValueError(f"jshard.jit: {what} is a jax.Array {x.aval.str_short()} on {format_mesh(x.sharding.mesh)}, "
+                     f"spanning other processes, but the call runs on {format_mesh(mesh)}; put it on that mesh "
+                     "(jax.device_put(x, NamedSharding(mesh, spec))) or use jshard.from_jax")
 
 
 def same_devices(a: Mesh, b: Mesh) -> bool:

@@ -281,6 +281,19 @@ def check_jax_arrays_in(mesh: Mesh, codes, value) -> None:
                  terms=np.abs(t).sum(0) + np.abs(value[0]), err_msg=f"jax.Array in, {name_of(codes)}")
 
 
+def check_jax_array_on_another_mesh() -> None:
+    """An argument spanning both processes on a mesh other than the call's cannot be fetched to the host: a
+    clear error naming it, before any work."""
+    x = jshard.distribute(EVEN, MESHES["2x4"], placements(("S0", "R")))
+    other = jshard.distribute(EVEN, MESHES["4x2"], placements(("R", "S0"))).to_jax()
+    try:
+        jshard.jit(lambda a, b: a + b)(x, other)
+    except ValueError as e:
+        assert "argument 1" in str(e) and "spanning other processes" in str(e), e
+    else:
+        raise AssertionError("a jax.Array spanning processes on another mesh was not refused")
+
+
 # ---------------------------------------------------------------------------------------------------
 # jshard.jit: a small MLP forward and value_and_grad, against float64 numpy
 
@@ -415,6 +428,7 @@ def main() -> None:
         for codes in (data, ("S1",) + data[1:]):
             check(f"from_process_local/{key}/{name_of(codes)}", check_from_process_local, mesh, codes, VALUE)
         check(f"jax_arrays_in/{key}", check_jax_arrays_in, mesh, data, EVEN)
+    check("jax_arrays_in/another_mesh", check_jax_array_on_another_mesh)
     for key in MESHES:
         check(f"jit_mlp/{key}", check_mlp, key)
     check("gpt/tp_2x4", check_gpt)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ..darray import DArray, DeletedArrayError, donation_of, donation_slot, from_jax, same_devices
+from ..darray import DArray, DeletedArrayError, adopt, donation_of, donation_slot
 from ..jaxcompat import open_jaxpr, source_info_util
 from ..spec import Spec, format_mesh
 from .kernel import communicates, local_function
@@ -92,14 +92,8 @@ def _lifted(const: Any, mesh: Mesh, name: str) -> DArray | None:
                          f"({const.sharding.spec}); pass it as an argument instead (an argument on the mesh is taken "
                          "as it is), or close over jshard.from_jax(x) passed in, or a mesh with Auto axes")
     if const.is_fully_replicated and const.is_fully_addressable:
-        return None
-    if same_devices(const.sharding.mesh, mesh):
-        return from_jax(const, mesh)
-    if const.is_fully_addressable:
-        return None
-    raise ValueError(f"jshard.jit: {name or 'the function'} closes over a jax.Array {const.aval.str_short()} on "
-                     f"{format_mesh(const.sharding.mesh)}, spanning other processes, but runs on {format_mesh(mesh)}; "
-                     "put it on that mesh (jax.device_put(x, NamedSharding(mesh, spec))) or pass it as an argument")
+        return None  # a literal: every device may hold it whole
+    return adopt(const, mesh, f"a constant {name or 'the function'} closes over")
 
 
 class Program:
