@@ -133,3 +133,6 @@ def test_mistakes_are_named():
         parallelize(lambda: {"w": jnp.ones(3)}, mesh)
     with pytest.raises(TypeError, match="nnx.Module or a function"):
         parallelize(3, mesh)
+    rngs = nnx.Rngs(0)  # made outside the constructor, which is traced: it cannot advance the count
+    with pytest.raises(ValueError, match="state made outside it.*rngs=nnx.Rngs"):
+        parallelize(lambda: nnx.Linear(4, 8, rngs=rngs), mesh)

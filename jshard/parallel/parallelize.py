@@ -33,6 +33,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import flax
 import jax
 import numpy as np
 from flax import nnx
@@ -159,6 +160,11 @@ def _abstract(build: Callable[[], nnx.Module]) -> nnx.Module:
     """The module ``build()`` makes, with shapes and dtypes in place of values (nothing is computed)."""
     try:
         model = nnx.eval_shape(build)
+    except flax.errors.TraceContextError as e:
+        raise ValueError("parallelize: the constructor uses NNX state made outside it (an nnx.Rngs or a module "
+                         "created before the lambda), which it may not change while it is traced; make everything "
+                         "inside it, lambda: Model(..., rngs=nnx.Rngs(0)). It runs more than once (shapes, then "
+                         f"values), so it must build the same module each time ({e})") from None
     except TypeError as e:
         if "argument" not in str(e):
             raise
