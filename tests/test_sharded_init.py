@@ -129,6 +129,13 @@ def test_mistakes_are_named():
         jshard.jit(lambda a: a + 1, mesh=mesh)(x)
     with pytest.raises(TypeError, match="needs some"):
         parallelize(GPT, mesh)
+
+    def broken():
+        raise TypeError("unsupported operand type(s) for +: 'int' and 'str' (argument 2)")
+
+    with pytest.raises(TypeError, match="unsupported operand") as raised:  # the constructor's own error, as it is
+        parallelize(broken, mesh)
+    assert "needs some" not in str(raised.value)
     with pytest.raises(TypeError, match="not a Flax nnx.Module"):
         parallelize(lambda: {"w": jnp.ones(3)}, mesh)
     with pytest.raises(TypeError, match="nnx.Module or a function"):

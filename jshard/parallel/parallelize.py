@@ -29,6 +29,7 @@ model changes, so a mistake raises with the model untouched.
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -158,6 +159,17 @@ def parallelize(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh,
 
 def _abstract(build: Callable[[], nnx.Module]) -> nnx.Module:
     """The module ``build()`` makes, with shapes and dtypes in place of values (nothing is computed)."""
+    try:  # a class's own signature (NNX's metaclass takes *args) is its __init__'s, less self
+        if isinstance(build, type):
+            inspect.signature(build.__init__).bind(None)
+        else:
+            inspect.signature(build).bind()
+    except TypeError as e:  # a TypeError raised inside the constructor is the user's own, and passes as it is
+        raise TypeError(f"parallelize: model is called with no arguments to build the module, and {kind_of(build)} "
+                        f"needs some ({e}); pass lambda: {getattr(build, '__name__', 'Model')}(cfg, "
+                        "rngs=nnx.Rngs(0))") from None
+    except ValueError:  # no signature to read (a builtin): calling it will tell
+        pass
     try:
         model = nnx.eval_shape(build)
     except flax.errors.TraceContextError as e:
@@ -165,12 +177,6 @@ def _abstract(build: Callable[[], nnx.Module]) -> nnx.Module:
                          "created before the lambda), which it may not change while it is traced; make everything "
                          "inside it, lambda: Model(..., rngs=nnx.Rngs(0)). It runs more than once (shapes, then "
                          f"values), so it must build the same module each time ({e})") from None
-    except TypeError as e:
-        if "argument" not in str(e):
-            raise
-        raise TypeError(f"parallelize: model is called with no arguments to build the module, and {kind_of(build)} "
-                        f"needs some ({e}); pass lambda: {getattr(build, '__name__', 'Model')}(cfg, "
-                        "rngs=nnx.Rngs(0))") from None
     if not isinstance(model, nnx.Module):
         raise TypeError(f"parallelize: the constructor returned {kind_of(model)}, not a Flax nnx.Module")
     return model
