@@ -54,3 +54,12 @@ __all__ = [
     "same_as",
     "visualize",
 ]
+
+
+def __getattr__(name: str):
+    # jshard.checkpoint imports Orbax and tensorstore: loaded on first use, not with every `import jshard`
+    if name == "checkpoint":
+        import importlib
+
+        return importlib.import_module(".checkpoint", __name__)
+    raise AttributeError(f"module 'jshard' has no attribute {name!r}")

@@ -36,7 +36,7 @@ from .planner import check_cost_model, plan_redistribute
 from .spec import Spec, block_sharding, check_dtype, check_mesh, format_mesh
 
 __all__ = ["DArray", "DeletedArrayError", "adopt", "distribute", "from_jax", "from_local", "from_process_local",
-           "process_rows", "same_devices"]
+           "host_blocks", "process_rows", "same_devices"]
 
 # equations are attributed to the user's line: jshard's own wrappers are not it
 source_info_util.register_exclusion(os.path.abspath(__file__))
@@ -207,7 +207,7 @@ def distribute(x, mesh: Mesh, placements: Sequence[Placement]) -> DArray:
                             f"{type(x).__name__} {x!r:.60}: {e}") from None
     spec = Spec.create(mesh, placements, x.shape, x.dtype, where="distribute")
     if isinstance(x, np.ndarray):
-        return DArray(_host_blocks(spec, x), spec)
+        return DArray(host_blocks(spec, _reader(x)), spec)
     # already on devices (PRNG keys included): the device-side plan from Replicate
     replicated = spec.with_placements((Replicate(),) * len(spec.placements))
     plan = plan_redistribute(replicated, spec.placements)
@@ -328,7 +328,7 @@ def from_process_local(local_rows, mesh: Mesh, placements: Sequence[Placement], 
         shape = _infer_process_shape(probe, mine, rows.shape, shown)
     spec = Spec.create(mesh, probe.placements, shape, rows.dtype, where=where)
     start = _process_start(spec, mine, rows.shape, shown, inferred)
-    return DArray(_host_blocks(spec, rows, start), spec)
+    return DArray(host_blocks(spec, _reader(rows, start)), spec)
 
 
 def process_rows(mesh: Mesh, placements: Sequence[Placement], shape: Sequence[int]) -> tuple[slice, ...]:
@@ -404,16 +404,15 @@ def same_devices(a: Mesh, b: Mesh) -> bool:
     return a.axis_names == b.axis_names and a.devices.shape == b.devices.shape and ids(a) == ids(b)
 
 
-def _host_blocks(spec: Spec, value: np.ndarray, start: Sequence[int] | None = None) -> jax.Array:
-    """Block storage of ``spec`` cut on the host from ``value``, the part of the global value that starts at
-    global index ``start`` (default: the whole value). Each addressable device receives only its own block.
+def host_blocks(spec: Spec, read: Callable[[tuple[np.ndarray, ...]], np.ndarray]) -> jax.Array:
+    """Block storage of ``spec`` made on the host: ``read(idx)`` gives the global value at the indices ``idx``
+    (one index array per dim, ``Spec.global_indices``). Each addressable device receives only its own block.
 
     Padding is zero, as a Partial(sum) block off coordinate 0 is; devices with equal blocks (replicas) share
-    one host copy, so the host holds about one copy of ``value`` however many devices replicate it. The blocks
-    are fresh copies: on CPU, JAX may alias a host array, and the DArray must not follow later writes to ``x``.
+    one host copy, so the host holds about one copy of the value however many devices replicate it. The blocks
+    are fresh copies: on CPU, JAX may alias a host array, and the DArray must not follow later writes to it.
     """
     k = len(spec.mesh_shape)
-    start = (0,) * spec.rank if start is None else tuple(start)
     sums = [a for a, p in enumerate(spec.placements) if p.is_partial and p.op == "sum"]
     cuts = [a for a, p in enumerate(spec.placements) if p.is_shard]
     made: dict[tuple, np.ndarray] = {}
@@ -426,11 +425,18 @@ def _host_blocks(spec: Spec, value: np.ndarray, start: Sequence[int] | None = No
             out = np.zeros((1,) * k + spec.local_block_shape, spec.dtype)
             if not zero:
                 idx = spec.global_indices(coords)
-                out[(0,) * k + tuple(slice(0, len(i)) for i in idx)] = value[_host_index(idx, start)]
+                out[(0,) * k + tuple(slice(0, len(i)) for i in idx)] = read(idx)
             made[key] = out
         return made[key]
 
     return jax.make_array_from_callback(spec.block_shape, block_sharding(spec.mesh), block)
+
+
+def _reader(value: np.ndarray, start: Sequence[int] | None = None) -> Callable[[tuple[np.ndarray, ...]], np.ndarray]:
+    """``host_blocks``' reader of ``value``, the part of the global value that starts at global index ``start``
+    (default: the whole value)."""
+    start = (0,) * value.ndim if start is None else tuple(start)
+    return lambda idx: value[_host_index(idx, start)]
 
 
 def _host_index(idx: Sequence[np.ndarray], start: Sequence[int]):

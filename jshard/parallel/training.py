@@ -110,6 +110,31 @@ class TrainStep:
         return loss
 
     @property
+    def state(self) -> dict[str, Any]:
+        """Everything a step carries from one call to the next: ``{"params", "opt_state", "rest"}``. Save it with
+        ``jshard.checkpoint.save(directory, step.state)``; resume with
+        ``step.state = jshard.checkpoint.restore(directory, like=step.state)``, under this step's placements
+        whatever the saved ones were."""
+        return {"params": self.params, "opt_state": self.opt_state, "rest": self.rest}
+
+    @state.setter
+    def state(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or set(state) != {"params", "opt_state", "rest"}:
+            raise TypeError("TrainStep.state: expected a dict with keys params, opt_state and rest (what .state "
+                            f"returns), got {kind_of(state)}")
+        for name, new in state.items():
+            old = getattr(self, name)
+            got, want = jax.tree.structure(new, is_leaf=is_darray), jax.tree.structure(old, is_leaf=is_darray)
+            if got != want:
+                raise ValueError(f"TrainStep.state: {name} has another structure than this step's ({got} vs {want}); "
+                                 "restore with like=step.state")
+            for a, b in zip(jax.tree.leaves(new, is_leaf=is_darray), jax.tree.leaves(old, is_leaf=is_darray)):
+                if is_darray(b) and (not is_darray(a) or a.spec != b.spec):
+                    raise ValueError(f"TrainStep.state: a leaf of {name} is {a!r} where this step holds {b!r}; "
+                                     "restore with like=step.state, which gives this step's placements")
+        self.params, self.opt_state, self.rest = state["params"], state["opt_state"], state["rest"]
+
+    @property
     def model(self) -> Any:
         return nnx.merge(self.graphdef, self.params, self.rest)
 
