@@ -36,6 +36,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 import jshard  # noqa: E402
+import jshard.checkpoint  # noqa: E402
 from jshard import Partial, Replicate, Shard  # noqa: E402
 from jshard.validate.tolerance import assert_close  # noqa: E402
 
@@ -356,6 +357,9 @@ def check_mlp(key: str) -> None:
 # ---------------------------------------------------------------------------------------------------
 # jshard.parallel: the demo's GPT, tensor-parallel on a (2, 4) mesh with dp crossing processes, 3 AdamW steps
 
+GPT_RUN: dict = {}
+
+
 def check_gpt() -> None:
     import optax
     from flax import nnx
@@ -394,6 +398,9 @@ def check_gpt() -> None:
         ids, labels = (jshard.distribute(a, mesh, [Shard(0), Replicate()])
                        for a in (windows[step, :, :-1], windows[step, :, 1:]))
         ours.append(float(train(ids, labels)))
+        if step == 0:  # checkpoint_gpt_resume picks the run up from here under another parallelism
+            jshard.checkpoint.save(os.path.join(CKPT, "gpt_step1"), train.state)
+            GPT_RUN.update(make=make, loss_fn=loss_fn, windows=windows, tx=tx)
         label = f"gpt: step {step}" + (" (with trace, plan, compile)" if step == 0 else "")
         RESULTS["seconds"][label] = round(time.perf_counter() - t0, 3)
         t0 = time.perf_counter()
@@ -401,9 +408,74 @@ def check_gpt() -> None:
     theirs = [reference(jnp.asarray(windows[s, :, :-1]), jnp.asarray(windows[s, :, 1:])) for s in range(steps)]
     RESULTS["seconds"]["gpt: one-device reference"] = round(time.perf_counter() - t0, 3)
     RESULTS["losses"]["gpt"] = [v.hex() for v in ours]
+    GPT_RUN["losses"] = ours
     RESULTS["losses"]["gpt_one_device"] = [v.hex() for v in theirs]
     ratio = curve_ratio(ours, theirs, n_per_step=summed_terms(vocab, dim, layers, seq, batch))
     assert ratio <= 1, f"GPT losses {ours} vs one device {theirs}: {ratio:.2f} of the rounding bound"
+
+
+# ---------------------------------------------------------------------------------------------------
+# jshard.checkpoint: each process writes its own devices' blocks into one checkpoint (a directory both see) and
+# reads back exactly the blocks of any target layout, on any of the meshes
+
+CKPT = os.path.join(os.path.dirname(os.path.abspath(RESULT)), "checkpoints")
+SAVED = {"uneven": ("S0", "S0"), "cols": ("S1", "R"), "partial": ("Psum", "S1")}  # codes on a 2-axis mesh
+
+
+def saved_codes(mesh: Mesh, codes):
+    return codes if mesh.devices.ndim == 2 else codes[:1]
+
+
+def check_checkpoint_save(key: str) -> None:
+    """Save under ``key``'s mesh; both processes' OCDBT stores hold data (each wrote its own blocks)."""
+    mesh = MESHES[key]
+    tree = {name: jshard.distribute(VALUE, mesh, placements(saved_codes(mesh, codes))) for name, codes in SAVED.items()}
+    tree["step"] = 7
+    path = os.path.join(CKPT, key)
+    jshard.checkpoint.save(path, tree)
+    stores = sorted(n for n in os.listdir(path) if n.startswith("ocdbt.process_"))
+    assert stores == ["ocdbt.process_0", "ocdbt.process_1"], f"per-process stores: {stores}"
+
+
+def check_checkpoint_restore(saved_key: str, target_key: str) -> None:
+    """Restore a checkpoint saved under one mesh into other layouts on another: every block this process holds
+    is the expected block of the value (numpy oracle), the others None."""
+    mesh = MESHES[target_key]
+    targets = {"uneven": ("S1", "S0"), "cols": ("R", "S1"), "partial": ("S0", "Psum")}
+    like = {name: jshard.Spec.create(mesh, placements(saved_codes(mesh, codes)), VALUE.shape, VALUE.dtype)
+            for name, codes in targets.items()}
+    back = jshard.checkpoint.restore(os.path.join(CKPT, saved_key), like={**like, "step": 0})
+    assert back["step"] == 7, back["step"]
+    for name, codes in targets.items():
+        compare_locals(host(back[name].to_local()), expected_locals(VALUE, mesh, saved_codes(mesh, codes)),
+                       f"checkpoint {saved_key} -> {target_key}: {name}")
+
+
+def check_checkpoint_on_local_devices() -> None:
+    """Every process restores the whole checkpoint onto a mesh of its own 4 devices (a (4,) mesh)."""
+    mesh = Mesh(np.array(jax.local_devices()), ("x",))
+    like = {name: jshard.Spec.create(mesh, [Shard(1)], VALUE.shape, VALUE.dtype) for name in SAVED}
+    back = jshard.checkpoint.restore(os.path.join(CKPT, "2x4"), like={**like, "step": 0})
+    for name in SAVED:
+        assert np.array_equal(np.asarray(back[name].full()), VALUE), f"checkpoint 2x4 -> local (4,): {name}"
+
+
+def check_gpt_resume() -> None:
+    """The GPT run saved after its first step, resumed fully sharded over the (8,) mesh: the uninterrupted run's
+    losses (rtol 1e-6: another parallelism sums in another order)."""
+    from jshard.gpt import plan
+    from jshard.parallel import TrainStep, parallelize
+
+    mesh = MESHES["8"]
+    styles, default = plan("fsdp", dp="x", tp="x")
+    train = TrainStep(parallelize(GPT_RUN["make"], mesh, styles, default=default), GPT_RUN["tx"], GPT_RUN["loss_fn"])
+    train.state = jshard.checkpoint.restore(os.path.join(CKPT, "gpt_step1"), like=train.state)
+    windows, again = GPT_RUN["windows"], []
+    for step in range(1, len(windows)):
+        ids, labels = (jshard.distribute(a, mesh, [Shard(0)]) for a in (windows[step, :, :-1], windows[step, :, 1:]))
+        again.append(float(train(ids, labels)))
+    RESULTS["losses"]["gpt_resumed_fsdp8"] = [v.hex() for v in again]
+    np.testing.assert_allclose(again, GPT_RUN["losses"][1:], rtol=1e-6)
 
 
 def main() -> None:
@@ -432,6 +504,12 @@ def main() -> None:
     for key in MESHES:
         check(f"jit_mlp/{key}", check_mlp, key)
     check("gpt/tp_2x4", check_gpt)
+    for key in MESHES:
+        check(f"checkpoint/save_{key}", check_checkpoint_save, key)
+    for saved_key, target_key in [("2x4", "4x2"), ("4x2", "8"), ("8", "2x4"), ("2x4", "2x4")]:
+        check(f"checkpoint/{saved_key}->{target_key}", check_checkpoint_restore, saved_key, target_key)
+    check("checkpoint/local_devices", check_checkpoint_on_local_devices)
+    check("checkpoint/gpt_resume", check_gpt_resume)
     RESULTS["seconds"]["total"] = round(time.perf_counter() - t0, 3)
     RESULTS["done"] = True
     save()
