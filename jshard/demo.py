@@ -13,8 +13,12 @@ holds a sharded parameter whole) and each process reads only its own rows of eve
 (``jshard.process_rows`` and ``jshard.from_process_local``, what a per-host data loader does).
 ``--processes 2`` runs it as JAX's multi-controller mode runs on two hosts: it launches two processes of 4 CPU
 devices each (``jshard.launch``), joined by ``jax.distributed``, with the data axis crossing them.
+``--checkpoint DIR`` saves the training state every ``--save-every`` steps (Orbax's ``CheckpointManager``,
+asynchronous, the last two kept; every process writes its own blocks) and, when DIR already holds a checkpoint,
+resumes from its last step, whatever the mesh and style it was saved under.
 
     python -m jshard.demo [--mesh dp=2,tp=4] [--style tp|sp|fsdp|dp] [--steps 20] [--layers 2] [--processes 2]
+                          [--checkpoint DIR] [--save-every 5]
 """
 
 from __future__ import annotations
@@ -64,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--processes", type=int, default=1, help="run as this many JAX processes (localhost)")
+    ap.add_argument("--checkpoint", default=None, metavar="DIR",
+                    help="save the training state here every --save-every steps; resume from it when it holds one")
+    ap.add_argument("--save-every", type=int, default=5)
     ap.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -139,22 +146,51 @@ def main(argv: list[str] | None = None) -> int:
         or "nothing"))
 
     reference = one_device_trainer(make(), tx, loss_fn)
+    manager, start = _checkpoints(args, train), 0
+    if manager is not None and manager.latest_step() is not None:
+        start = manager.latest_step()
+        train.state = manager.restore(start, args=jshard.checkpoint.Restore(train.state))  # into this run's plan
+        for step in range(start):  # the one-device run catches up, to be compared from here on
+            reference(jnp.asarray(windows[step, :, :-1]), jnp.asarray(windows[step, :, 1:]))
+        print(f"resumed from {args.checkpoint} after step {start}")
 
     ours, theirs = [], []
     t0 = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         ours.append(float(train(*shard(step))))
         theirs.append(reference(jnp.asarray(windows[step, :, :-1]), jnp.asarray(windows[step, :, 1:])))
+        if manager is not None:  # every --save-every steps and the last; the blocks are copied before it returns
+            manager.save(step + 1, args=jshard.checkpoint.Save(train.state), force=step + 1 == args.steps)
         done = (step + 1) / args.steps
         bar = "#" * int(30 * done) + "." * (30 - int(30 * done))
         print(f"\r[{bar}] step {step + 1:>3}/{args.steps}  loss {ours[-1]:.4f}  one device {theirs[-1]:.4f}  "
               f"({time.perf_counter() - t0:.1f} s)", end="", flush=True)
     print("\n")
+    if manager is not None:
+        manager.wait_until_finished()
+        print(f"checkpoints in {args.checkpoint}: steps {manager.all_steps()}")
+        manager.close()
+    if not ours:
+        print(f"nothing to train: the checkpoint is at step {start} of --steps {args.steps}")
+        return 0
     ratio = curve_ratio(ours, theirs, n_per_step=summed_terms(vocab, dim, args.layers, seq, batch))
     worst = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs))
     print(f"loss {ours[0]:.4f} -> {ours[-1]:.4f} (log vocab = {np.log(vocab):.4f}); largest relative difference "
           f"from one device: {worst:.1e}, {ratio:.2f} of the rounding bound -> {'OK' if ratio <= 1 else 'MISMATCH'}")
     return 0 if ratio <= 1 else 1
+
+
+def _checkpoints(args, train):
+    """Orbax's CheckpointManager over ``--checkpoint`` (None without it): asynchronous saves, the last two kept."""
+    if args.checkpoint is None:
+        return None
+    import orbax.checkpoint as ocp
+
+    import jshard.checkpoint  # noqa: F401 - registers jshard's handler with Orbax
+
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=args.save_every,
+                                           enable_async_checkpointing=True)
+    return ocp.CheckpointManager(os.path.abspath(args.checkpoint), options=options)
 
 
 def _launch(args, argv: list[str], n_devices: int) -> int:
