@@ -39,6 +39,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/redistribute.py
 	$(PY) benchmarks/train_step.py
 	$(PY) benchmarks/memory.py
+	$(PY) benchmarks/checkpoint.py
 
 clean:
 	rm -rf $(VENV) $(NEWEST) *.egg-info

@@ -54,7 +54,8 @@ from etils import epath
 from orbax.checkpoint import future as ocp_future
 from orbax.checkpoint import type_handlers as th
 
-from .darray import DArray, host_blocks
+from .caches import memo
+from .darray import DArray, local_blocks, on_devices, to_devices
 from .placements import Replicate
 from .spec import Spec, dtype_short
 
@@ -359,37 +360,55 @@ def _reduced(x: DArray) -> DArray:
 
 
 def _host_parts(x: DArray) -> tuple[Spec, list[tuple[tuple[np.ndarray, ...], np.ndarray]]]:
-    """The blocks this process writes, copied to the host: one per set of replicas (the replica at coordinate 0 of
-    every axis that does not shard), with the global indices it holds."""
+    """What this process writes, copied to the host: each of its devices' part (``_writers``) with the global
+    indices it covers."""
     spec, k = x.spec, len(x.mesh.axis_names)
-    copies = [a for a, p in enumerate(spec.placements) if not p.is_shard]
+    writers = _writers(spec)
     mine = []
     for shard in x.block.addressable_shards:
         coords = tuple(i.start or 0 for i in shard.index[:k])
+        local, idx = writers[coords]
+        if idx is not None:
+            mine.append((idx, local, shard.data))
+    for _, _, data in mine:
+        if data.platform() != "cpu":  # on CPU the host view costs nothing; elsewhere, overlap the transfers
+            data.copy_to_host_async()
+    return spec, [(idx, np.array(np.asarray(data)[(0,) * k + local])) for idx, local, data in mine]
+
+
+@memo(1024)
+def _writers(spec: Spec) -> dict[tuple[int, ...], tuple[tuple[slice, ...] | None, tuple[np.ndarray, ...] | None]]:
+    """Per device (mesh coordinates): the part of its block it writes, as (local box, global indices per dim), or
+    (None, None). Replicas of a block split it: the ``r`` devices holding one block each write a torch.chunk
+    piece of its first dim of at least ``r`` indices, so every block is written once and by all its holders."""
+    copies = [a for a, p in enumerate(spec.placements) if not p.is_shard]
+    sizes = [spec.mesh_shape[a] for a in copies]
+    r = math.prod(sizes)
+    out = {}
+    for coords in np.ndindex(*spec.mesh_shape):
         idx = spec.global_indices(coords)
-        if not any(coords[a] for a in copies) and all(len(i) for i in idx):
-            mine.append((idx, shard.data))
-    for _, data in mine:
-        data.copy_to_host_async()
-    return spec, [(idx, np.array(data)[(0,) * k + tuple(slice(0, len(i)) for i in idx)]) for idx, data in mine]
+        j = int(np.ravel_multi_index([coords[a] for a in copies], sizes)) if copies else 0
+        local = [slice(0, len(i)) for i in idx]
+        d = next((d for d, i in enumerate(idx) if len(i) >= r), None)
+        if d is not None:
+            c = -(-len(idx[d]) // r)
+            local[d] = slice(min(j * c, len(idx[d])), min((j + 1) * c, len(idx[d])))
+        part = tuple(i[s] for i, s in zip(idx, local))
+        # too small to split (a scalar, say): the first replica writes it
+        writes = all(len(i) for i in part) and (d is not None or j == 0)
+        out[coords] = (tuple(local), part) if writes else (None, None)
+    return out
 
 
 def _write_grid(spec: Spec) -> tuple[int, ...]:
-    """Per dim, the zarr chunk length: the gcd of every block's run boundaries, so that each chunk lies inside one
-    block and has one writer (two processes writing parts of one chunk would lose one's rows)."""
-    grid = []
-    for d, n in enumerate(spec.shape):
-        layout = spec.layouts[d].reshape(-1, spec.layouts[d].shape[-1])
-        cuts = set()
-        for row in layout:
-            idx = row[row >= 0]
-            breaks = np.flatnonzero(np.diff(idx) != 1) + 1
-            cuts.update(int(idx[b]) for b in breaks)
-            cuts.update(int(idx[b - 1]) + 1 for b in breaks)
-            if len(idx):
-                cuts.update((int(idx[0]), int(idx[-1]) + 1))
-        grid.append(math.gcd(*(c for c in cuts if 0 < c < n)) or max(n, 1))
-    return tuple(grid)
+    """Per dim, the zarr chunk length: the gcd of every written part's run boundaries, so that each chunk lies in
+    one part and has one writer (two processes writing parts of one chunk would lose one's rows)."""
+    cuts: list[set[int]] = [set() for _ in spec.shape]
+    for _, part in _writers(spec).values():
+        for d, idx in enumerate(part or ()):
+            for start, _, n in _runs(idx):
+                cuts[d].update((start, start + n))
+    return tuple(math.gcd(*(c for c in cut if 0 < c < n)) or max(n, 1) for cut, n in zip(cuts, spec.shape))
 
 
 def _runs(idx: np.ndarray) -> list[tuple[int, int, int]]:
@@ -421,28 +440,24 @@ async def _write(spec: Spec, parts, info: th.ParamInfo, arg: th.SaveArgs) -> Non
 
 
 async def _read(info: th.ParamInfo, spec: Spec) -> DArray:
+    """The DArray of ``spec`` from the stored array: each block this process holds read once (exactly its rows)
+    and moved to its devices as soon as it arrives."""
     await info.await_path_creation()
     tspec = th.get_json_tspec_read(info, info.is_ocdbt_checkpoint)
     t = await ts.open(ts.Spec(tspec), open=True, context=info.ts_context)
     if tuple(t.shape) != spec.shape:
         raise ValueError(f"jshard.checkpoint.restore: {info.name} holds shape {tuple(t.shape)}, the template "
                          f"{spec.shape}")
-    mesh = spec.mesh
-    coords = [tuple(int(c) for c in np.unravel_index(i, mesh.devices.shape))
-              for i, d in enumerate(mesh.devices.flat) if d.process_index == jax.process_index()]
-    needed = {_key(idx): idx for idx in (spec.global_indices(c) for c in coords)}
+    k = len(spec.mesh_shape)
 
-    async def fetch(idx):
-        out = np.empty(tuple(len(i) for i in idx), spec.dtype)
-        reads = [(local, t[box].read()) for box, local in _boxes(idx)] if all(len(i) for i in idx) else []
-        for local, r in reads:
-            out[local] = await r
-        return out
+    async def block(idx, devices) -> dict:
+        # read straight into the padded block (tensorstore copies into numpy memory): no copy in between
+        out = np.zeros((1,) * k + spec.local_block_shape, spec.dtype)
+        if idx is not None and all(len(i) for i in idx):
+            await asyncio.gather(*[ts.array(out)[(0,) * k + local].write(t[box]) for box, local in _boxes(idx)])
+        return to_devices(out, devices)
 
-    got = dict(zip(needed, await asyncio.gather(*[fetch(i) for i in needed.values()])))
-    return DArray(host_blocks(spec, lambda idx: got[_key(idx)]), spec)
-
-
-def _key(idx: tuple[np.ndarray, ...]) -> tuple[bytes, ...]:
-    return tuple(i.tobytes() for i in idx)
-
+    arrays = {}
+    for placed in await asyncio.gather(*[block(*group) for group in local_blocks(spec).values()]):
+        arrays.update(placed)
+    return DArray(on_devices(spec, arrays), spec)

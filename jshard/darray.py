@@ -36,7 +36,8 @@ from .planner import check_cost_model, plan_redistribute
 from .spec import Spec, block_sharding, check_dtype, check_mesh, format_mesh
 
 __all__ = ["DArray", "DeletedArrayError", "adopt", "distribute", "from_jax", "from_local", "from_process_local",
-           "host_blocks", "process_rows", "same_devices"]
+           "host_blocks", "local_blocks", "on_devices", "process_rows",
+           "put_block", "same_devices", "to_devices"]
 
 # equations are attributed to the user's line: jshard's own wrappers are not it
 source_info_util.register_exclusion(os.path.abspath(__file__))
@@ -408,28 +409,53 @@ def host_blocks(spec: Spec, read: Callable[[tuple[np.ndarray, ...]], np.ndarray]
     """Block storage of ``spec`` made on the host: ``read(idx)`` gives the global value at the indices ``idx``
     (one index array per dim, ``Spec.global_indices``). Each addressable device receives only its own block.
 
-    Padding is zero, as a Partial(sum) block off coordinate 0 is; devices with equal blocks (replicas) share
-    one host copy, so the host holds about one copy of the value however many devices replicate it. The blocks
-    are fresh copies: on CPU, JAX may alias a host array, and the DArray must not follow later writes to it.
+    Blocks are made one at a time and moved to their devices at once, so the host holds about one block beyond
+    what the devices hold; replicas share one host copy.
     """
-    k = len(spec.mesh_shape)
+    arrays = {}
+    for idx, devices in local_blocks(spec).values():
+        arrays.update(put_block(spec, idx, devices, None if idx is None else read(idx)))
+    return on_devices(spec, arrays)
+
+
+def local_blocks(spec: Spec) -> dict[tuple, tuple[tuple[np.ndarray, ...] | None, list]]:
+    """This process's devices grouped by the block they hold (replicas share a key): key -> (the block's global
+    indices per dim, or None for a Partial(sum) block off coordinate 0, which holds zeros; the devices)."""
     sums = [a for a, p in enumerate(spec.placements) if p.is_partial and p.op == "sum"]
     cuts = [a for a, p in enumerate(spec.placements) if p.is_shard]
-    made: dict[tuple, np.ndarray] = {}
-
-    def block(index: tuple[slice, ...]) -> np.ndarray:
-        coords = tuple(s.start or 0 for s in index[:k])
+    groups: dict[tuple, tuple] = {}
+    for i, device in enumerate(spec.mesh.devices.flat):
+        if device.process_index != jax.process_index():
+            continue
+        coords = tuple(int(c) for c in np.unravel_index(i, spec.mesh_shape))
         zero = any(coords[a] for a in sums)  # Partial(sum): the value on coordinate 0, the identity elsewhere
         key = ("zero",) if zero else tuple(coords[a] for a in cuts)
-        if key not in made:
-            out = np.zeros((1,) * k + spec.local_block_shape, spec.dtype)
-            if not zero:
-                idx = spec.global_indices(coords)
-                out[(0,) * k + tuple(slice(0, len(i)) for i in idx)] = read(idx)
-            made[key] = out
-        return made[key]
+        groups.setdefault(key, (None if zero else spec.global_indices(coords), []))[1].append(device)
+    return groups
 
-    return jax.make_array_from_callback(spec.block_shape, block_sharding(spec.mesh), block)
+
+def put_block(spec: Spec, idx: tuple[np.ndarray, ...] | None, devices: list, value: np.ndarray | None) -> dict:
+    """``value`` (the block at global indices ``idx``; zeros where ``idx`` is None) padded with zeros to the block
+    shape, on each of ``devices``: device -> array. The padded copy is fresh: on CPU, JAX may alias a host
+    array, and the DArray must not follow later writes to ``value``."""
+    k = len(spec.mesh_shape)
+    out = np.zeros((1,) * k + spec.local_block_shape, spec.dtype)
+    if idx is not None:
+        out[(0,) * k + tuple(slice(0, len(i)) for i in idx)] = value
+    return to_devices(out, devices)
+
+
+def to_devices(block: np.ndarray, devices: list) -> dict:
+    """One host block on each of ``devices`` (replicas): device -> array. ``block`` is given away: on CPU the
+    arrays may alias it."""
+    return dict(zip(devices, jax.device_put([block] * len(devices), devices)))
+
+
+def on_devices(spec: Spec, arrays: dict) -> jax.Array:
+    """The block-storage array of ``spec`` from every addressable device's block (``put_block``'s arrays)."""
+    sharding = block_sharding(spec.mesh)
+    return jax.make_array_from_single_device_arrays(
+        spec.block_shape, sharding, [arrays[d] for d in spec.mesh.devices.flat if d in arrays])
 
 
 def _reader(value: np.ndarray, start: Sequence[int] | None = None) -> Callable[[tuple[np.ndarray, ...]], np.ndarray]:

@@ -133,6 +133,23 @@ for ids, labels in batches:
 print(np.round(ours, 4)); print(np.round(theirs, 4))
 # within the rounding a reordered computation explains, step by step (jshard.validate.tolerance)
 assert curve_ratio(ours, theirs, n_per_step=summed_terms(V, D, L, T, B)) <= 1'''),
+    ("md", "## Checkpoints: save under one plan, restore under another\n"
+           "`jshard.checkpoint.save` writes every parameter and optimizer state as its global array (Orbax's format), "
+           "each device its own rows; `restore(like=...)` reads them into the template's placements, here fully "
+           "sharded over all 8 devices instead of sequence parallel."),
+    ("code", '''import tempfile
+import jshard.checkpoint
+path = tempfile.mkdtemp() + "/after_8_steps"
+jshard.checkpoint.save(path, sp_step.state)
+p, default = plan("fsdp")
+fsdp_step = TrainStep(parallelize(make, mesh, p, default=default), tx, loss_fn)
+fsdp_step.state = jshard.checkpoint.restore(path, like=fsdp_step.state)
+kernel = lambda s: s.model.blocks[0].q.kernel.get_value()
+print("sp:  ", kernel(sp_step).placements, "\\nfsdp:", kernel(fsdp_step).placements)
+ids, labels = batches[0]
+a, b = float(sp_step(*data((ids, labels)))), float(fsdp_step(*data((ids, labels))))
+print(f"step 9: sp {a:.6f}, fsdp from the checkpoint {b:.6f}")
+assert abs(a - b) <= 1e-6 * abs(a)'''),
 ]
 
 

@@ -2,6 +2,8 @@
 device's block equal to what ``distribute`` of the saved value gives (bit for bit), through Orbax's managers too;
 training resumes with the uninterrupted run's losses; bad input is refused and never damages a checkpoint."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,7 @@ from flax import nnx
 import jshard
 from conftest import make_mesh
 from jshard import DArray, Partial, Replicate, Shard, Spec, StridedShard
-from jshard.checkpoint import _write_grid
+from jshard.checkpoint import _write_grid, _writers
 from jshard.gpt import GPT, cross_entropy, plan
 from jshard.parallel import TrainStep, parallelize
 
@@ -178,16 +180,19 @@ def test_composite_args_hold_a_darray_tree_next_to_json(tmp_path):
 
 @pytest.mark.parametrize("name,shape,placements", SOURCES, ids=[s[0] for s in SOURCES])
 def test_each_chunk_has_one_writer(name, shape, placements):
-    """Every zarr chunk lies inside the rows of one block: processes never write parts of the same chunk."""
+    """Every element is written once (a block's replicas each write a piece of it), and no zarr chunk is touched
+    by two writers: processes never write parts of the same chunk."""
     spec = Spec.create(make_mesh((2, 4)), [R if p.is_partial else p for p in placements], shape, np.float32)
     grid = _write_grid(spec)
-    for d, (n, g) in enumerate(zip(spec.shape, grid)):
-        owner = {}
-        layout = spec.layouts[d].reshape(-1, spec.layouts[d].shape[-1])
-        for device, row in enumerate(layout):
-            for i in row[row >= 0]:
-                owner.setdefault(int(i) // g, set()).add(tuple(row[row >= 0]))
-        assert all(len(blocks) == 1 for blocks in owner.values()), (d, g)
+    written = np.zeros(shape, np.int64)
+    chunk_owner = {}
+    for coords, (_, part) in _writers(spec).items():
+        if part is None:
+            continue
+        written[np.ix_(*part)] += 1
+        for chunk in itertools.product(*[sorted({int(i) // g for i in idx}) for idx, g in zip(part, grid)]):
+            assert chunk_owner.setdefault(chunk, coords) == coords, (chunk, coords, chunk_owner[chunk])
+    assert (written == 1).all()
 
 
 # -- training resumes ------------------------------------------------------------------------------
