@@ -4,7 +4,8 @@ saving the equivalent ``NamedSharding`` arrays (``DArray.to_jax()``).
 A GPT of width 1024, vocabulary 32k and 8 layers (about 170M float32 parameters, 0.67 GB) built sharded on 8
 devices (emulated on CPU when fewer) under DP2 x TP4 (the tp plan) and FSDP8. Every measurement runs in a fresh
 process, so the peak is its own: the host's peak resident memory (VmHWM) over the process's resident memory just
-before the operation (the model already built). Per setup and way (jshard / Orbax):
+before the operation (``VmHWM`` reset there; a restore starts with only the target layouts in hand). Per setup and
+way (jshard / Orbax):
 
 - ``save``: the parameters to a new directory (median of ``--repeats`` saves, each to its own directory);
 - ``restore same``: into the layouts they were saved under;
@@ -23,7 +24,9 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
+import pickle  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -32,11 +35,19 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from memory import rss  # noqa: E402
+from memory import reset_peak, rss  # noqa: E402
 
 SETUPS = {"dp2xtp4": ((2, 4), ("dp", "tp"), "tp"), "fsdp8": ((8,), ("dp",), "fsdp")}
 OTHER = {"dp2xtp4": "fsdp8", "fsdp8": "dp2xtp4"}
 HEADS, SEQ = 16, 128
+
+
+def mesh_of(setup: str):
+    import jax
+
+    shape, names, _ = SETUPS[setup]
+    devices = jax.devices() if len(jax.devices()) >= 8 else jax.devices("cpu")
+    return jax.make_mesh(shape, names, devices=devices[:8])
 
 
 def build(setup: str, layers: int, dim: int, vocab: int) -> dict:
@@ -48,10 +59,8 @@ def build(setup: str, layers: int, dim: int, vocab: int) -> dict:
     from jshard.gpt import GPT, plan
     from jshard.parallel import parallelize
 
-    shape, names, style = SETUPS[setup]
-    devices = jax.devices() if len(jax.devices()) >= 8 else jax.devices("cpu")
-    mesh = jax.make_mesh(shape, names, devices=devices[:8])
-    styles, default = plan(style, dp="dp", tp=names[-1])
+    mesh = mesh_of(setup)
+    styles, default = plan(SETUPS[setup][2], dp="dp", tp=mesh.axis_names[-1])
     model = parallelize(lambda: GPT(vocab, dim, HEADS, layers, SEQ, rngs=nnx.Rngs(0)), mesh, styles, default=default)
     flat = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param), is_leaf=lambda a: isinstance(a, DArray))[0]
     params = {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): x for path, x in flat}
@@ -67,12 +76,22 @@ def child(setup: str, how: str, op: str, directory: str, layers: int, dim: int, 
     import jshard.checkpoint
 
     target = setup if op != "restore_other" else OTHER[setup]
-    params = build(target, layers, dim, vocab)
-    total = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in params.values())
+    layouts = os.path.join(directory, f"layouts-{target}.pkl")
+    if op == "save":
+        params = build(setup, layers, dim, vocab)
+        with open(layouts, "wb") as f:  # what a restore into this setup asks for, without building the model
+            pickle.dump({k: (x.placements, x.shape, x.dtype) for k, x in params.items()}, f)
+        tree = params if how == "jshard" else {k: x.to_jax() for k, x in params.items()}
+        del params
+    else:  # a restore starts with nothing but the target layouts
+        with open(layouts, "rb") as f:
+            mesh = mesh_of(target)
+            specs = {k: jshard.Spec.create(mesh, p, shape, dtype) for k, (p, shape, dtype) in pickle.load(f).items()}
+    gc.collect()
     times = []
+    reset_peak()
     base = rss()
     if op == "save":
-        tree = params if how == "jshard" else {k: x.to_jax() for k, x in params.items()}
         for r in range(repeats):
             path = os.path.join(directory, f"{setup}-{how}-{r}")
             t0 = time.perf_counter()
@@ -87,16 +106,17 @@ def child(setup: str, how: str, op: str, directory: str, layers: int, dim: int, 
         for _ in range(repeats):
             t0 = time.perf_counter()
             if how == "jshard":
-                back = jshard.checkpoint.restore(path, like={k: x.spec for k, x in params.items()})
+                back = jshard.checkpoint.restore(path, like=specs)
                 jax.block_until_ready([x.block for x in back.values()])
             else:
-                like = {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.spec.to_named_sharding())
-                        for k, x in params.items()}
+                like = {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.to_named_sharding())
+                        for k, x in specs.items()}
                 with ocp.StandardCheckpointer() as c:
                     back = c.restore(path, like)
                 jax.block_until_ready(back)
             times.append(time.perf_counter() - t0)
             del back
+    total = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in (specs if op != "save" else tree).values())
     return {"setup": setup, "how": how, "op": op, "target": target, "params_bytes": total, "seconds": times,
             "median_s": statistics.median(times), "peak_bytes": rss("VmHWM") - base}
 
@@ -122,8 +142,8 @@ def main():
     rows = []
     directory = tempfile.mkdtemp(prefix="jshard-bench-checkpoint-")
     try:
-        for setup in SETUPS:
-            for op in ("save", "restore_same", "restore_other"):
+        for op in ("save", "restore_same", "restore_other"):  # saves first: restores read them
+            for setup in SETUPS:
                 for how in ("jshard", "orbax"):  # side by side, a fresh process each
                     run = subprocess.run([sys.executable, __file__, "--child", setup, how, op, directory, *sizes],
                                          capture_output=True, text=True)
@@ -135,7 +155,7 @@ def main():
         shutil.rmtree(directory, ignore_errors=True)
     print(f"\nGPT parameters: vocab {args.vocab}, width {args.dim}, {args.layers} layers: "
           f"{mb(rows[0]['params_bytes'])} MB float32; median of {args.repeats}; peak = host VmHWM over the "
-          "resident memory before the operation\n")
+          "resident memory before the operation (peak reset there)\n")
     print(f"{'saved under':<12} {'operation':<22} {'jshard s':>9} {'Orbax s':>8} {'time ratio':>11} "
           f"{'jshard peak MB':>15} {'Orbax peak MB':>14} {'peak ratio':>11}")
     by = {(r["setup"], r["op"], r["how"]): r for r in rows}

@@ -43,6 +43,12 @@ def rss(field: str = "VmRSS") -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
+def reset_peak() -> None:
+    """Start ``VmHWM`` again from the current resident memory (Linux >= 4.0), so the next peak is an operation's."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def analysis(compiled) -> dict:
     m = compiled.memory_analysis()
     return {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias")}

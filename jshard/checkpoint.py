@@ -360,8 +360,8 @@ def _reduced(x: DArray) -> DArray:
 
 
 def _host_parts(x: DArray) -> tuple[Spec, list[tuple[tuple[np.ndarray, ...], np.ndarray]]]:
-    """What this process writes, copied to the host: each of its devices' part (``_writers``) with the global
-    indices it covers."""
+    """What this process writes, on the host: each of its devices' part (``_writers``) with the global indices it
+    covers."""
     spec, k = x.spec, len(x.mesh.axis_names)
     writers = _writers(spec)
     mine = []
@@ -371,9 +371,10 @@ def _host_parts(x: DArray) -> tuple[Spec, list[tuple[tuple[np.ndarray, ...], np.
         if idx is not None:
             mine.append((idx, local, shard.data))
     for _, _, data in mine:
-        if data.platform() != "cpu":  # on CPU the host view costs nothing; elsewhere, overlap the transfers
-            data.copy_to_host_async()
-    return spec, [(idx, np.array(np.asarray(data)[(0,) * k + local])) for idx, local, data in mine]
+        data.copy_to_host_async()  # all transfers in flight at once
+    # np.asarray waits for the host copy (on CPU: a view of the device buffer, which the view then keeps alive: a
+    # later donation of the array copies instead, so the bytes being written never change)
+    return spec, [(idx, np.asarray(data)[(0,) * k + local]) for idx, local, data in mine]
 
 
 @memo(1024)
@@ -436,7 +437,9 @@ async def _write(spec: Spec, parts, info: th.ParamInfo, arg: th.SaveArgs) -> Non
         t = await ts.open(ts.Spec(tspec), open=True, assume_metadata=True, context=info.ts_context)
     else:
         return
-    await asyncio.gather(*[t[box].write(data[local]) for idx, data in parts for box, local in _boxes(idx)])
+    # the parts stay as they are until written: tensorstore may keep them instead of copying
+    await asyncio.gather(*[t[box].write(data[local], can_reference_source_data_indefinitely=True)
+                           for idx, data in parts for box, local in _boxes(idx)])
 
 
 async def _read(info: th.ParamInfo, spec: Spec) -> DArray:
