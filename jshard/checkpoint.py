@@ -125,11 +125,7 @@ class Handler(ocp.AsyncCheckpointHandler):
         return await self._pytree.async_save(directory, args=ocp.args.PyTreeSave(_to_stored(args.item)))
 
     def save(self, directory: epath.Path, args: Save) -> None:
-        async def run():
-            for f in await self.async_save(directory, args) or []:
-                f.result()
-
-        asyncio.run(run())
+        self._pytree.save(directory, args=ocp.args.PyTreeSave(_to_stored(args.item)))
 
     def restore(self, directory: epath.Path, args: Restore | None = None) -> Any:
         if args is None or args.like is None:
