@@ -35,7 +35,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from memory import reset_peak, rss  # noqa: E402
+from memory import mb, reset_peak, rss  # noqa: E402
 
 SETUPS = {"dp2xtp4": ((2, 4), ("dp", "tp"), "tp"), "fsdp8": ((8,), ("dp",), "fsdp")}
 OTHER = {"dp2xtp4": "fsdp8", "fsdp8": "dp2xtp4"}
@@ -119,10 +119,6 @@ def child(setup: str, how: str, op: str, directory: str, layers: int, dim: int, 
     total = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in (specs if op != "save" else tree).values())
     return {"setup": setup, "how": how, "op": op, "target": target, "params_bytes": total, "seconds": times,
             "median_s": statistics.median(times), "peak_bytes": rss("VmHWM") - base}
-
-
-def mb(n: int) -> str:
-    return f"{n / 2**20:,.0f}"
 
 
 def main():
