@@ -448,7 +448,8 @@ def put_block(spec: Spec, idx: tuple[np.ndarray, ...] | None, devices: list, val
 def to_devices(block: np.ndarray, devices: list) -> dict:
     """One host block on each of ``devices`` (replicas): device -> array. ``block`` is given away: on CPU the
     arrays may alias it."""
-    return dict(zip(devices, jax.device_put([block] * len(devices), devices)))
+    with jax.ensure_compile_time_eval():  # made while a JAX trace runs (a Python scalar operand): still concrete
+        return dict(zip(devices, jax.device_put([block] * len(devices), devices)))
 
 
 def on_devices(spec: Spec, arrays: dict) -> jax.Array:
