@@ -50,9 +50,9 @@ def explanation(traced: Traced) -> Explanation:
     def moves_of(i, move):
         out = []
         for step in move.collectives if isinstance(move, Plan) else ():  # a reused move costs nothing
-            out.append((i, step.kind, tuple(step.axes), int(step.bytes)))
-            c, b = totals.get(step.kind, (0, 0))
-            totals[step.kind] = (c + step.count, b + int(step.bytes))
+            out.append((i, step.emitted, tuple(step.axes), int(step.bytes)))
+            c, b = totals.get(step.emitted, (0, 0))
+            totals[step.emitted] = (c + step.count, b + int(step.bytes))
         return out
 
     def walk(plan: JaxprPlan, pins: list, where: str):

@@ -265,7 +265,17 @@ def _lower_step(mesh, step: Step, spec: Spec) -> Callable:
     if step.kind == "reduce_scatter":
         d = step.dim
         pre = _Select(_find(cur[d], _group_concat(tgt[d], axes), fill=None, what=what), cur[d].shape[-1], names, d)
-        return lambda x: scale(lax.psum_scatter(pre(x), step.axes, scatter_dimension=d, tiled=True))
+        if step.op == "sum":
+            return lambda x: scale(lax.psum_scatter(pre(x), step.axes, scatter_dimension=d, tiled=True))
+        group = int(np.prod([mesh.devices.shape[a] for a in axes]))
+        reduce = jnp.max if step.op == "max" else jnp.min  # NaN wins, as in ordered_reduce
+
+        def scatter_extreme(x):  # psum_scatter sums only: each device's chunk from every device, then reduced
+            x = pre(x)
+            x = x.reshape(x.shape[:d] + (group, x.shape[d] // group) + x.shape[d + 1:])
+            return reduce(lax.all_to_all(x, step.axes, d, d, tiled=True), axis=d)
+
+        return scatter_extreme
 
     if step.kind == "permute":
         return _permute(mesh, step, cur, tgt)

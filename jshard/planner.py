@@ -9,7 +9,8 @@ from -> to (one mesh axis)    kind                 allowed when
 ============================  ==================  ===============================================
 S(d)/SS(d) -> R               all_gather           the axis is the last one sharding d
 P(op) -> R                    all_reduce           always (avg: sum, then divide)
-P(sum|avg) -> S(d)/SS(d)      reduce_scatter       no later axis shards d
+P(op) -> S(d)/SS(d)           reduce_scatter       no later axis shards d (max, min: all_to_all
+                                                   and a local max / min)
 S(d) -> S(e)                  all_to_all           the axis is the last on d, no later axis on e
                                                    (also several innermost axes of d at once)
 R -> S(d)/SS(d)               slice (local)        no later axis shards d
@@ -99,6 +100,12 @@ class Step:
     @property
     def is_collective(self) -> bool:
         return self.kind in COLLECTIVE_KINDS and self.count > 0
+
+    @property
+    def emitted(self) -> str:
+        """The collective the lowering emits: ``kind``, except a max / min reduce_scatter, an all_to_all (followed
+        by a local max / min) since ``psum_scatter`` only sums."""
+        return "all_to_all" if self.kind == "reduce_scatter" and self.op in ("max", "min") else self.kind
 
     def __str__(self) -> str:
         what = {"all_reduce": f"{self.op}" + (f"/{self.scale}" if self.scale != 1 else ""),
@@ -221,8 +228,8 @@ class Run(NamedTuple):
 
 def _requirement(merge_key):
     """What an open run of collectives can still serve without a launch (see ``_Search.heuristic``)."""
-    kind, what = merge_key
-    return merge_key if kind == "all_gather" else what if kind == "all_reduce" else "sum"
+    kind = merge_key[0]
+    return merge_key if kind == "all_gather" else merge_key[1] if kind == "all_reduce" else merge_key[2]
 
 
 class _Search:
@@ -244,6 +251,8 @@ class _Search:
         self.op = [p.op if p.is_partial else None for p in self.table]
         self.fillable = [p.is_partial and p.op != "avg" for p in self.table]
         self.strided = [isinstance(p, StridedShard) for p in self.table]
+        self.split = [p.split_factor if p.is_shard else 0 for p in self.table]
+        self._innermost: dict = {}
         self._strided_target = any(self.strided[q] for q in self.dst)
         self._dst_multiset = sorted(zip(self.dst, self.sizes))
         self.hop, self.per_byte, self.min_hop = _axis_prices(model, self.names, self.sizes)
@@ -317,7 +326,7 @@ class _Search:
                 continue
             d, e = dim_of[p], dim_of[q]
             if d >= 0:
-                if inner[d] != i:
+                if inner[d] != i and self.innermost(state, d) != i:
                     continue
                 # an axis already in place is gathered only to let an earlier axis on its dim change
                 if p != q or any(state[j] != dst[j] and d in (dim_of[state[j]], dim_of[dst[j]])
@@ -331,12 +340,15 @@ class _Search:
                     continue
                 key = ("all_reduce", "sum" if op == "avg" else op)
                 yield (i,), state[:i] + (0,) + state[i + 1:], "all_reduce", key, None
-                if e >= 0 and op in ("sum", "avg") and inner.get(e, -1) < i:
-                    key = ("reduce_scatter", e)
-                    yield (i,), state[:i] + (q,) + state[i + 1:], "reduce_scatter", key, e
+                after = state[:i] + (q,) + state[i + 1:]
+                # P(max|min) too: an all_to_all and a local max move what psum_scatter moves
+                if e >= 0 and (inner.get(e, -1) < i or self.innermost(after, e) == i):
+                    key = ("reduce_scatter", e, "sum" if op == "avg" else op)
+                    yield (i,), after, "reduce_scatter", key, e
             elif e >= 0:
-                if inner.get(e, -1) < i:
-                    yield (i,), state[:i] + (q,) + state[i + 1:], "slice", None, None
+                after = state[:i] + (q,) + state[i + 1:]
+                if inner.get(e, -1) < i or self.innermost(after, e) == i:
+                    yield (i,), after, "slice", None, None
             elif q:
                 yield (i,), state[:i] + (q,) + state[i + 1:], "partition", None, None
         # all_to_all: the innermost cuts of d (one axis or several) become the innermost cuts of e
@@ -351,6 +363,17 @@ class _Search:
                 for a in axes:
                     new[a] = dst[a]
                 yield tuple(axes), tuple(new), "all_to_all", None, e
+
+    def innermost(self, state, dim: int) -> int | None:
+        """The axis that cuts ``dim`` last when its axes cut it in a shard order (``spec.cut_order``: FSDP inside
+        TP is ``(SS(0, tp), S(0))``, the data axis innermost though first in the mesh), else None. Only the
+        innermost cut is one contiguous piece of every block: gathered, scattered or sliced locally."""
+        chain = tuple((a, self.split[p]) for a, p in enumerate(state) if self.shard_dim[p] == dim)
+        got = self._innermost.get(chain, -1)
+        if got == -1:
+            order = cut_order(chain, self.sizes)
+            got = self._innermost[chain] = order[-1] if order else None
+        return got
 
     def relabelling(self, state) -> tuple[int, ...] | None:
         """``sigma`` with ``dst[sigma[i]] == state[i]`` over equal-size axes, keeping the order of the

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -45,7 +46,7 @@ from .placements import (
 )
 
 __all__ = ["Spec", "LayoutError", "format_mesh", "check_mesh", "check_dtype", "chunk_sizes", "dim_layout", "cut_order",
-           "block_sharding"]
+           "block_sharding", "shard_order"]
 
 
 class LayoutError(ValueError):
@@ -166,6 +167,20 @@ def cut_order(chain: tuple[tuple[int, int], ...], mesh_shape: tuple[int, ...]) -
         ):
             return order
     return None
+
+
+def shard_order(dim: int, order: Sequence[int], mesh_shape: tuple[int, ...]) -> dict[int, Placement]:
+    """The placements that cut ``dim`` by the mesh axes ``order``, major first: the inverse of ``cut_order``.
+    An axis cut after a higher-index axis is a StridedShard whose split factor is the sizes cut before it.
+
+    >>> shard_order(0, [1, 0], (2, 4))   # tp (axis 1) outside, dp (axis 0) inside: FSDP within TP
+    {1: S(0), 0: SS(0,4)}
+    """
+    out = {}
+    for pos, a in enumerate(order):
+        sf = math.prod(mesh_shape[b] for b in order[:pos] if b > a)
+        out[a] = Shard(dim) if sf == 1 else StridedShard(dim, sf)
+    return out
 
 
 @dataclass(frozen=True)
@@ -343,10 +358,8 @@ class Spec:
             raise LayoutError(f"{where}: {spec} has `reduced` axes, which have no placement")
         for d, entry in enumerate(spec.partitions):
             axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-            for pos, name in enumerate(axes):
-                a = index[name]
-                sf = math.prod(sizes[index[b]] for b in axes[:pos] if index[b] > a)
-                placements[a] = Shard(d) if sf == 1 else StridedShard(d, sf)
+            for a, p in shard_order(d, [index[name] for name in axes], sizes).items():
+                placements[a] = p
         for name in getattr(spec, "unreduced", ()) or ():
             placements[index[name]] = Partial("sum")
         return cls.create(mesh, placements, shape, dtype, where=where)

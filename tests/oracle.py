@@ -147,7 +147,7 @@ def hlo_collectives(compiled_text: str) -> collections.Counter:
 
 
 def plan_collectives(plan) -> collections.Counter:
-    return collections.Counter(HLO_KINDS[s.kind] for s in plan.collectives for _ in range(s.count))
+    return collections.Counter(HLO_KINDS[s.emitted] for s in plan.collectives for _ in range(s.count))
 
 
 def poisoned(value: np.ndarray, mesh, placements, rng):

@@ -11,8 +11,8 @@ from flax import nnx
 
 import jshard
 from conftest import make_mesh
-from jshard import Replicate, Shard
-from jshard.gpt import GPT, cross_entropy, plan, summed_terms
+from jshard import Replicate, Shard, StridedShard
+from jshard.gpt import GPT, cross_entropy, one_device_trainer, plan, summed_terms
 from jshard.parallel import (
     ColwiseParallel,
     FullyShard,
@@ -56,8 +56,9 @@ def test_styles_place_parameters_per_mesh_axis():
     model = parallelize(gpt(), mesh, p, default=FullyShard("dp"))
     blk = model.blocks[0]
     assert blk.q.kernel.get_value().placements == (Shard(0), Shard(1))  # rows over dp (FSDP), columns over tp
-    assert blk.q.bias.get_value().placements == (Shard(0), Shard(0))
-    assert blk.o.kernel.get_value().placements == (Shard(0), Shard(0))  # row parallel: both axes on dim 0
+    # where FSDP and TP cut the same dim, FSDP cuts inside each TP block (torch FSDP2 + TP, GSPMD's ('tp', 'dp'))
+    assert blk.q.bias.get_value().placements == (StridedShard(0, 4), Shard(0))
+    assert blk.o.kernel.get_value().placements == (StridedShard(0, 4), Shard(0))  # row parallel
     assert blk.o.bias.get_value().placements == (Shard(0), R)  # added once, after the reduction
     assert blk.ln1.scale.get_value().placements == (Shard(0), R)
     assert model.head.kernel.get_value().placements == (Shard(0), Shard(1))
@@ -65,6 +66,25 @@ def test_styles_place_parameters_per_mesh_axis():
     np.testing.assert_array_equal(np.asarray(blk.q.kernel.get_value().full()), want)
     flat = jax.tree.leaves(placements_of(nnx.state(model)), is_leaf=lambda a: isinstance(a, tuple))
     assert len(flat) == len(jax.tree.leaves(nnx.state(gpt())))  # every parameter is a DArray
+
+
+def test_fsdp_inside_tp_gathers_and_reduce_scatters_with_one_collective_each():
+    """FSDP x TP: each FSDP gather is one all-gather over dp of the TP block, each FSDP gradient one
+    reduce-scatter over dp; nothing is exchanged point to point, and the losses are the one-device ones."""
+    mesh = make_mesh((2, 4))
+    p, _ = plan("tp")
+    model = parallelize(gpt(), mesh, p, default=FullyShard("dp"))
+    step = TrainStep(model, optax.sgd(0.1), loss_fn)
+    ids, labels = batch()
+    data = [jshard.distribute(a, mesh, [Shard(0), R]) for a in (ids, labels)]
+    moves = [(kind, tuple(axes)) for r in step.explain(*data).rows for _, kind, axes, _ in r["moves"]]
+    assert not [m for m in moves if m[0] == "exchange"], moves
+    assert ("all_gather", ("dp",)) in moves and ("reduce_scatter", ("dp",)) in moves
+    assert all(axes == ("dp",) for kind, axes in moves if kind == "all_gather" and "dp" in axes)
+    reference = one_device_trainer(gpt(), optax.sgd(0.1), loss_fn)
+    ours = [float(step(*data)) for _ in range(2)]
+    theirs = [reference(jnp.asarray(ids), jnp.asarray(labels)) for _ in range(2)]
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5)
 
 
 def test_mistakes_are_named():

@@ -108,3 +108,34 @@ def test_reduction_over_two_axes_is_one_collective_with_bitwise_equal_replicas()
     out = [np.asarray(a) for a in x.redistribute([Replicate()] * 3).to_local()]
     assert all(o.tobytes() == out[0].tobytes() for o in out)
     assert_close(out[0], np.sum(parts, axis=0), n=4, terms=np.sum(np.abs(parts), axis=0))
+
+
+# FSDP inside TP: the data axis cuts dim 0 inside the tensor axis's block, (SS(0,4), S(0)) on (dp=2, tp=4)
+TP_MAJOR = (StridedShard(0, 4), Shard(0))
+
+
+@pytest.mark.parametrize("shape", [(64, 6), (13, 5)], ids=["even", "uneven"])
+@pytest.mark.parametrize("src,dst,steps", [
+    (TP_MAJOR, (Replicate(), Shard(0)), [("all_gather", ("dp",))]),  # FSDP's gather: the tp block, contiguous
+    ((Partial(), Shard(0)), TP_MAJOR, [("reduce_scatter", ("dp",))]),  # its gradient: one reduce-scatter
+    ((Partial("max"), Partial("max")), (Shard(1), Shard(1)), [("reduce_scatter", ("dp", "tp"))]),
+    ((Partial("min"), Shard(0)), TP_MAJOR, [("reduce_scatter", ("dp",))]),
+], ids=["fsdp-gather", "fsdp-grad", "max-scatter", "min-scatter"])
+def test_one_collective_moves_only_the_block_a_device_keeps(shape, src, dst, steps):
+    """The innermost cut of a dim, in shard order rather than mesh order, is gathered or scattered by one
+    collective; P(max|min) scatter as P(sum) does (an all_to_all and a local max: the bytes of a psum_scatter)."""
+    x, _, _ = run_pair((2, 4), shape, src, dst, np.random.default_rng(3), check_hlo=True)
+    plan = jshard.plan_redistribute(x, dst)
+    assert [(s.kind, s.axes) for s in plan.steps] == steps, str(plan)
+
+
+def test_a_nan_in_any_part_wins_a_max_scatter():
+    mesh = make_mesh((2, 4))
+    parts = [np.full((8, 4), float(i), np.float32) for i in range(8)]
+    parts[5][6, 1] = np.nan
+    parts[2][0, 0] = 100.0
+    y = jshard.from_local(parts, mesh, [Partial("max")] * 2).redistribute([Shard(0), Shard(0)])
+    got = np.asarray(y.full())
+    want = np.max(parts, axis=0)
+    np.testing.assert_array_equal(got, want)
+    assert np.isnan(got[6, 1]) and got[0, 0] == 100.0

@@ -46,7 +46,7 @@ from ..caches import memo
 from ..darray import DArray, distribute
 from ..jaxcompat import source_info_util
 from ..placements import Placement, Replicate
-from ..spec import Spec, format_mesh
+from ..spec import Spec, format_mesh, shard_order
 from .styles import ParallelStyle
 
 __all__ = ["parallelize", "placements_of"]
@@ -129,9 +129,10 @@ def parallelize(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh,
         full = value.full() if isinstance(value, DArray) else value
         shape = tuple(full.shape)
         placements = list(_annotated(var, mesh, shape, full.dtype, rules))
-        for style in default + matched[owner_path]:
+        styles = default + matched[owner_path]
+        for style in styles:
             placements[names.index(style.axis)] = style.param(modules[owner_path], str(path[-1]), shape)
-        params.append((var, full, placements))
+        params.append((var, full, _fsdp_inside(placements, styles, mesh)))
     if build is None:
         values = [distribute(full, mesh, placements) for _, full, placements in params]
     else:
@@ -284,6 +285,23 @@ def _check_axes(styles, names, mesh, where) -> None:
             raise ValueError(f"parallelize: {seen[s.axis]} and {s} both place {where or 'the root module'} on mesh "
                              f"axis {s.axis!r}; give each axis one style")
         seen[s.axis] = s
+
+
+def _fsdp_inside(placements: list[Placement], styles: tuple[ParallelStyle, ...], mesh: Mesh) -> list[Placement]:
+    """Where a gathered style (FullyShard) and another style cut the same dim, the gathered one cuts inside: each
+    tensor-parallel block stays contiguous, so FSDP's gather is one all-gather over its axis and the gradient one
+    reduce-scatter of the block (torch's FSDP2 + TP order, GSPMD's ``P(('tp', 'dp'))``), whatever the mesh order.
+    """
+    names = list(mesh.axis_names)
+    gathered = {names.index(s.axis) for s in styles if s.compute is not None}
+    out = list(placements)
+    for d in {p.dim for p in placements if p.is_shard}:
+        axes = [a for a, p in enumerate(placements) if p.is_shard and p.dim == d]
+        if len(axes) > 1 and gathered & set(axes):
+            order = [a for a in axes if a not in gathered] + [a for a in axes if a in gathered]
+            for a, p in shard_order(d, order, tuple(mesh.devices.shape)).items():
+                out[a] = p
+    return out
 
 
 def _annotated(var, mesh: Mesh, shape, dtype, rules: dict[str, Any]) -> tuple[Placement, ...]:
