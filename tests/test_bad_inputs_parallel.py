@@ -15,7 +15,7 @@ from flax import nnx
 
 import jshard
 from conftest import make_mesh
-from jshard import Replicate, Shard
+from jshard import Replicate, Shard, StridedShard
 from jshard.gpt import GPT, plan, summed_terms
 from jshard.parallel import (
     ColwiseParallel,
@@ -237,7 +237,7 @@ def test_parallelizing_again_replaces_the_styles():
     mesh = make_mesh((2, 4))
     model = parallelize(linear(), mesh, {"": ColwiseParallel("tp")})
     parallelize(model, mesh, {"": RowwiseParallel("tp")}, default=FullyShard("dp"))
-    assert model.kernel.get_value().placements == (Shard(0), Shard(0))
+    assert model.kernel.get_value().placements == (StridedShard(0, 4), Shard(0))  # FSDP inside the TP block
     assert type(model).__mro__[1] is nnx.Linear  # one wrapper, the new one: constraints never stack
     assert_close(model(X).full(), linear()(X), n=4)
 
