@@ -344,6 +344,14 @@ def _split(ins, outs, params) -> list[tuple]:
     return _kept(kept, n_out=k) + _partials(k, [True]) + unit_presence(ins, outs)
 
 
+@register("unstack")
+def _unstack(ins, outs, params) -> list[tuple]:
+    # x[0], x[1], ... along ``axis`` at once (iterating over an array, a key array's split among them)
+    axis, k = int(params["axis"]), len(outs)
+    kept = [(d - (d > axis), d) for d in range(len(ins[0].shape)) if d != axis]
+    return _kept(kept, n_out=k) + _partials(k, [True]) + unit_presence(ins, outs)
+
+
 # -- iota ------------------------------------------------------------------------------------------
 
 

@@ -59,6 +59,8 @@ PROGRAMS += [
     (lambda a: jnp.split(a, [2], axis=1), (arr((4, 6)),)),
     (lambda a: jnp.split(a, 3, axis=2), (arr((2, 4, 3)),)),  # q, k, v
     (lambda a: jnp.split(a, [1], axis=1), (arr((5, 3), "int32"),)),
+    (lambda a: lax.unstack(a, axis=1), (arr((5, 3)),)),
+    (lambda a: lax.unstack(a, axis=0), (arr((2, 4, 3), "int32"),)),
 ]
 
 # -- pad, slice -------------------------------------------------------------------------------------
