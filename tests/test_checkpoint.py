@@ -260,6 +260,12 @@ def test_a_template_of_another_shape_or_dtype_is_refused(small):
                                               "step": 0})
 
 
+def test_a_shape_template_without_a_sharding_is_refused(small):
+    path, _ = small
+    with pytest.raises(ValueError, match=r"ShapeDtypeStruct in like needs sharding="):
+        jshard.checkpoint.restore(path, like={"w": jax.ShapeDtypeStruct((6, 4), np.float32), "step": 0})
+
+
 def test_a_template_of_another_structure_is_refused(small):
     path, x = small
     with pytest.raises(ValueError, match=r"(?s)leaves of like the checkpoint lacks \(1\): b\n"
