@@ -7,15 +7,15 @@ collective or one local operation:
 ============================  ==================  ===============================================
 from -> to (one mesh axis)    kind                 allowed when
 ============================  ==================  ===============================================
-S(d)/SS(d) -> R               all_gather           the axis is the last one sharding d
+S(d)/SS(d) -> R               all_gather           the axis cuts d innermost (*)
 P(op) -> R                    all_reduce           always (avg: sum, then divide)
-P(op) -> S(d)/SS(d)           reduce_scatter       no later axis shards d (max, min: all_to_all
+P(op) -> S(d)/SS(d)           reduce_scatter       it will cut d innermost (*) (max, min: all_to_all
                                                    and a local max / min)
 S(d) -> S(e)                  all_to_all           the axis is the last on d, no later axis on e
                                                    (also several innermost axes of d at once)
-R -> S(d)/SS(d)               slice (local)        no later axis shards d
+R -> S(d)/SS(d)               slice (local)        it will cut d innermost (*)
 R -> P(op)                    partition (local)    exact: sum keeps the value on coordinate 0
-S(d) -> P(sum|max|min)        fill (local)         the axis is the last on d; the rest is the identity
+S(d) -> P(sum|max|min)        fill (local)         the axis cuts d innermost (*); the rest is the identity
 the target, relabelled        permute              the placements are the target's on equal-size
                                                    axes in another order: one ppermute moves
                                                    every block to its new owner
@@ -32,11 +32,13 @@ With an integer dtype an average divides last: ``floor(a / n) + floor(b / n)`` i
 so the collective that reduces a ``Partial(avg)`` axis also reduces (or follows) every other pending sum
 or avg axis, and a Partial target is partitioned again afterwards.
 
-"Last" is in mesh order, the order in which placements apply: only the innermost cut of a dim can be
-gathered, scattered or sliced without disturbing the others. Costs come from the alpha-beta
-``CostModel``; a collective that continues a run of the same kind on the same dim pays no second launch,
-and afterwards each such run is merged into **one** collective over an axis tuple, ordered the way the
-layout is cut so that no local reshuffle is needed where one can be avoided.
+(*) Innermost: last in mesh order (the order in which placements apply), or last in the dim's shard order when
+its StridedShards spell one (``spec.cut_order``; FSDP inside TP, ``(SS(0,4), S(0))``, cuts on the data axis
+innermost). Only the innermost cut of a dim can be gathered, scattered or sliced without disturbing the others.
+
+Costs come from the alpha-beta ``CostModel``; a collective that continues a run of the same kind on the same
+dim pays no second launch, and afterwards each such run is merged into **one** collective over an axis tuple,
+ordered the way the layout is cut so that no local reshuffle is needed where one can be avoided.
 
 >>> import jax; from jshard import Shard, Replicate, Partial
 >>> from jshard.spec import Spec
