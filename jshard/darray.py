@@ -36,8 +36,7 @@ from .planner import check_cost_model, plan_redistribute
 from .spec import Spec, block_sharding, check_dtype, check_mesh, format_mesh
 
 __all__ = ["DArray", "DeletedArrayError", "adopt", "distribute", "from_jax", "from_local", "from_process_local",
-           "host_blocks", "local_blocks", "on_devices", "process_rows",
-           "put_block", "same_devices", "to_devices"]
+           "local_blocks", "on_devices", "process_rows", "same_devices", "to_devices"]
 
 # equations are attributed to the user's line: jshard's own wrappers are not it
 source_info_util.register_exclusion(os.path.abspath(__file__))
@@ -208,7 +207,7 @@ def distribute(x, mesh: Mesh, placements: Sequence[Placement]) -> DArray:
                             f"{type(x).__name__} {x!r:.60}: {e}") from None
     spec = Spec.create(mesh, placements, x.shape, x.dtype, where="distribute")
     if isinstance(x, np.ndarray):
-        return DArray(host_blocks(spec, _reader(x)), spec)
+        return DArray(_host_blocks(spec, _reader(x)), spec)
     # already on devices (PRNG keys included): the device-side plan from Replicate
     replicated = spec.with_placements((Replicate(),) * len(spec.placements))
     plan = plan_redistribute(replicated, spec.placements)
@@ -329,7 +328,7 @@ def from_process_local(local_rows, mesh: Mesh, placements: Sequence[Placement], 
         shape = _infer_process_shape(probe, mine, rows.shape, shown)
     spec = Spec.create(mesh, probe.placements, shape, rows.dtype, where=where)
     start = _process_start(spec, mine, rows.shape, shown, inferred)
-    return DArray(host_blocks(spec, _reader(rows, start)), spec)
+    return DArray(_host_blocks(spec, _reader(rows, start)), spec)
 
 
 def process_rows(mesh: Mesh, placements: Sequence[Placement], shape: Sequence[int]) -> tuple[slice, ...]:
@@ -405,7 +404,7 @@ def same_devices(a: Mesh, b: Mesh) -> bool:
     return a.axis_names == b.axis_names and a.devices.shape == b.devices.shape and ids(a) == ids(b)
 
 
-def host_blocks(spec: Spec, read: Callable[[tuple[np.ndarray, ...]], np.ndarray]) -> jax.Array:
+def _host_blocks(spec: Spec, read: Callable[[tuple[np.ndarray, ...]], np.ndarray]) -> jax.Array:
     """Block storage of ``spec`` made on the host: ``read(idx)`` gives the global value at the indices ``idx``
     (one index array per dim, ``Spec.global_indices``). Each addressable device receives only its own block.
 
@@ -414,7 +413,7 @@ def host_blocks(spec: Spec, read: Callable[[tuple[np.ndarray, ...]], np.ndarray]
     """
     arrays = {}
     for idx, devices in local_blocks(spec).values():
-        arrays.update(put_block(spec, idx, devices, None if idx is None else read(idx)))
+        arrays.update(_put_block(spec, idx, devices, None if idx is None else read(idx)))
     return on_devices(spec, arrays)
 
 
@@ -434,7 +433,7 @@ def local_blocks(spec: Spec) -> dict[tuple, tuple[tuple[np.ndarray, ...] | None,
     return groups
 
 
-def put_block(spec: Spec, idx: tuple[np.ndarray, ...] | None, devices: list, value: np.ndarray | None) -> dict:
+def _put_block(spec: Spec, idx: tuple[np.ndarray, ...] | None, devices: list, value: np.ndarray | None) -> dict:
     """``value`` (the block at global indices ``idx``; zeros where ``idx`` is None) padded with zeros to the block
     shape, on each of ``devices``: device -> array. The padded copy is fresh: on CPU, JAX may alias a host
     array, and the DArray must not follow later writes to ``value``."""
@@ -453,14 +452,14 @@ def to_devices(block: np.ndarray, devices: list) -> dict:
 
 
 def on_devices(spec: Spec, arrays: dict) -> jax.Array:
-    """The block-storage array of ``spec`` from every addressable device's block (``put_block``'s arrays)."""
+    """The block-storage array of ``spec`` from every addressable device's block (``_put_block``'s arrays)."""
     sharding = block_sharding(spec.mesh)
     return jax.make_array_from_single_device_arrays(
         spec.block_shape, sharding, [arrays[d] for d in spec.mesh.devices.flat if d in arrays])
 
 
 def _reader(value: np.ndarray, start: Sequence[int] | None = None) -> Callable[[tuple[np.ndarray, ...]], np.ndarray]:
-    """``host_blocks``' reader of ``value``, the part of the global value that starts at global index ``start``
+    """``_host_blocks``' reader of ``value``, the part of the global value that starts at global index ``start``
     (default: the whole value)."""
     start = (0,) * value.ndim if start is None else tuple(start)
     return lambda idx: value[_host_index(idx, start)]
