@@ -86,18 +86,15 @@ def _group_concat(layout: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
 
     Applied to the current layout it is an all_gather's buffer; applied to the target layout it is the
     buffer a tiled psum_scatter / all_to_all must be given (chunk t goes to the member with index t)."""
-    mesh_shape = layout.shape[:-1]
-    out = np.empty(mesh_shape + (layout.shape[-1] * int(np.prod([mesh_shape[a] for a in axes], dtype=int)),),
-                   dtype=layout.dtype)
-    for coords in np.ndindex(*mesh_shape):
-        parts = []
-        for t in np.ndindex(*[mesh_shape[a] for a in axes]):
-            member = list(coords)
-            for a, c in zip(axes, t):
-                member[a] = c
-            parts.append(layout[tuple(member)])
-        out[coords] = np.concatenate(parts)
-    return out
+    mesh_shape, m = layout.shape[:-1], layout.shape[-1]
+    k, group = len(mesh_shape), tuple(mesh_shape[a] for a in axes)
+    rank = k + len(group) + 1
+    index = []
+    for a, n in enumerate(mesh_shape):
+        at = k + axes.index(a) if a in axes else a  # on a grouped axis the member's coordinate is its group index
+        index.append(np.arange(n).reshape([n if i == at else 1 for i in range(rank)]))
+    index.append(np.arange(m).reshape((1,) * (rank - 1) + (m,)))
+    return np.broadcast_to(layout[tuple(index)], mesh_shape + group + (m,)).reshape(mesh_shape + (-1,))
 
 
 def _find(buffer: np.ndarray, target: np.ndarray, *, fill: int | None, what: str) -> np.ndarray:
@@ -106,21 +103,21 @@ def _find(buffer: np.ndarray, target: np.ndarray, *, fill: int | None, what: str
     A target index missing from the buffer becomes ``fill`` when given (a position holding the identity),
     else it is an internal error: the plan would read a value the device does not have.
     """
-    table = np.full(target.shape, -1, dtype=np.int64)
-    for coords in np.ndindex(*target.shape[:-1]):
-        buf, tgt = buffer[coords], target[coords]
-        where = {int(g): i for i, g in enumerate(buf) if g >= 0}
-        row = table[coords]
-        for j, g in enumerate(tgt):
-            if g < 0:
-                continue
-            pos = where.get(int(g))
-            if pos is None:
-                if fill is None:
-                    raise AssertionError(f"lowering bug in {what}: device {coords} needs index {g} it does not hold")
-                pos = fill
-            row[j] = pos
-    return table
+    rows, m = int(np.prod(buffer.shape[:-1], dtype=int)), buffer.shape[-1]
+    buf, tgt = buffer.reshape(rows, m).astype(np.int64), target.reshape(rows, -1).astype(np.int64)
+    # one sorted search over all devices at once: (device row, global index) as a single key
+    span = int(max(buf.max(initial=0), tgt.max(initial=0))) + 1
+    keys = np.append(np.where(buf >= 0, buf + span * np.arange(rows)[:, None], -1).ravel(), -1)  # never empty
+    order = np.argsort(keys, kind="stable")
+    want = tgt + span * np.arange(rows)[:, None]
+    at = order[np.clip(np.searchsorted(keys, want, sorter=order), 0, keys.size - 1)]
+    need, found = tgt >= 0, keys[at] == want
+    missing = need & ~found
+    if fill is None and missing.any():
+        r, j = np.argwhere(missing)[0]
+        device = tuple(int(c) for c in np.unravel_index(r, buffer.shape[:-1]))
+        raise AssertionError(f"lowering bug in {what}: device {device} needs index {tgt[r, j]} it does not hold")
+    return np.where(need, np.where(found, at % max(m, 1), -1 if fill is None else fill), -1).reshape(target.shape)
 
 
 # ---------------------------------------------------------------------------------------------------
