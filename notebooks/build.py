@@ -1,19 +1,57 @@
-"""Writes the notebooks from the cells below (``python notebooks/build.py``): the cells live here as plain
-text so that reviews see code, not JSON. The test suite executes the written notebooks."""
+"""Writes the notebooks from the cells below and runs them, keeping their outputs (``python notebooks/build.py``;
+``--no-execute`` writes the code alone, ``--check`` says whether the committed notebooks hold this code). The
+cells live here as plain text so that reviews see code, not JSON; the test suite runs the written notebooks
+and fails when a committed notebook's code differs from what this file writes."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
+import sys
 
-SETUP = '''# Colab-ready set-up: install jshard when it is missing, and emulate 8 CPU devices when there are not 8
-# accelerators (this must run before JAX starts)
-import os, subprocess, sys
-try:
-    import jshard
-except ImportError:
-    repo = os.environ.get("JSHARD_REPO", "https://github.com/jshard/jshard")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", f"git+{repo}"], check=True)
+HERE = os.path.dirname(os.path.abspath(__file__))
+README = os.path.join(HERE, "..", "README.md")
+
+
+def repository() -> str:
+    """The repository's URL, from the one place that states it: the README's "Install" section."""
+    with open(README) as f:
+        found = re.search(r'pip install "git\+(https://[^"]+)"', f.read())
+    if found is None:
+        raise SystemExit("README.md: no 'pip install \"git+<repository URL>\"' line in its Install section")
+    return found.group(1)
+
+
+def colab(name: str) -> str:
+    """The link that opens notebook ``name`` of the repository in Colab."""
+    return repository().replace("https://github.com/", "https://colab.research.google.com/github/") + \
+        f"/blob/main/notebooks/{name}"
+
+
+INSTALL = """# Colab-ready: install jshard when this runtime lacks it, and say how. Inside a clone of the repository it
+# is built from the clone; elsewhere from PyPI, then from the repository (README, "Install"). JSHARD_SOURCE
+# (any pip requirement: a wheel, a path, a git URL) is tried first.
+import importlib, importlib.metadata, importlib.util, os, pathlib, subprocess, sys
+if importlib.util.find_spec("jshard") is None:
+    clones = [str(d) for d in (pathlib.Path.cwd(), pathlib.Path.cwd().parent)
+              if (d / "pyproject.toml").is_file() and 'name = "jshard"' in (d / "pyproject.toml").read_text()]
+    sources = [os.environ.get("JSHARD_SOURCE"), *clones, "jshard", "git+REPOSITORY"]
+    for source in filter(None, sources):
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", source], capture_output=True, text=True)
+        if done.returncode == 0:
+            importlib.invalidate_caches()
+            print(f"installed jshard: pip install {source}")
+            break
+        print(f"pip install {source} failed:", (done.stderr.strip().splitlines() or ["?"])[-1])
+    else:
+        raise RuntimeError("could not install jshard: set JSHARD_SOURCE to a wheel, a path or a git URL of it")
+else:
+    print("jshard", importlib.metadata.version("jshard"), "is installed")""".replace("REPOSITORY", repository())
+
+SETUP = '''# emulate 8 CPU devices when there are not 8 accelerators (this must run before JAX starts)
+import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax, jax.numpy as jnp, numpy as np
 import jshard
@@ -22,11 +60,21 @@ devices = jax.devices() if len(jax.devices()) >= 8 else jax.devices("cpu")
 mesh = jax.make_mesh((2, 4), ("dp", "tp"), devices=devices[:8])
 print(len(devices), devices[0].platform, "devices;", jshard.spec.format_mesh(mesh))'''
 
+
+def title(name: str, text: str) -> tuple[str, str]:
+    """The first cell: the title, a link to open the notebook in Colab, and the introduction."""
+    heading, _, rest = text.partition("\n")
+    badge = f"[![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)]({colab(name)})"
+    return ("md", f"{heading}\n\n{badge}\n{rest}")
+
+
 PLACEMENTS = [
-    ("md", "# jshard 1: placements, redistribution, Partial and linearity\n\n"
-           "A `DArray` is a global array plus one placement per mesh axis: `Replicate()` (R), `Shard(d)` (S(d)), "
-           "`StridedShard(d, sf)` and `Partial(op)` (a pending reduction). Everything below is checked against "
-           "the plain numpy value."),
+    title("01_placements.ipynb",
+          "# jshard 1: placements, redistribution, Partial and linearity\n"
+          "A `DArray` is a global array plus one placement per mesh axis: `Replicate()` (R), `Shard(d)` (S(d)), "
+          "`StridedShard(d, sf)` and `Partial(op)` (a pending reduction). Every cell checks its claims against "
+          "the plain numpy value (an `assert` fails the cell otherwise)."),
+    ("code", INSTALL),
     ("code", SETUP),
     ("md", "## Placements and uneven shards\n10 columns over 4 devices are held as 3, 3, 3, 1 (torch.chunk sizes)."),
     ("code", '''g = np.arange(60.0, dtype=np.float32).reshape(6, 10)
@@ -38,15 +86,20 @@ print(jshard.visualize(x))'''),
 print(plan)
 y = x.redistribute([Shard(1), Shard(0)])
 assert np.array_equal(np.asarray(y.full()), g)
+assert [s.kind for s in plan.steps] == ["all_gather", "all_to_all", "slice"]  # two collectives, then a local slice
 strided = jshard.distribute(g, mesh, [StridedShard(0, 2), Shard(0)])
-print(jshard.plan_redistribute(strided, [Replicate(), Replicate()]))'''),
+gather = jshard.plan_redistribute(strided, [Replicate(), Replicate()])
+print(gather)
+assert len(gather.collectives) == 1  # one all_gather over the axis tuple (dp, tp)
+assert np.array_equal(np.asarray(strided.redistribute([Replicate(), Replicate()]).full()), g)'''),
     ("md", "## Partial and linearity\nA sharded contraction leaves a `Partial(sum)`; linear ops keep it, others "
            "reduce first. The cast to int is the trap: truncating each part and then summing is wrong."),
     ("code", '''a = jshard.distribute(np.full((8, 4), 0.5, np.float32), mesh, [Replicate(), Shard(1)])
 b = jshard.distribute(np.ones((4, 8), np.float32), mesh, [Replicate(), Shard(0)])
 print(jshard.explain(lambda a, b: (a @ b).astype(jnp.int32), a, b))
 c = jshard.jit(lambda a, b: (a @ b).astype(jnp.int32))(a, b)
-print("jshard:", np.asarray(c.full())[0, :4], "(the truth is 2: 4 x 0.5)")'''),
+print("jshard:", np.asarray(c.full())[0, :4], "(the truth is 2: 4 x 0.5)")
+assert (np.asarray(c.full()) == 2).all()'''),
     ("md", "JAX 0.10.2's explicit sharding mode keeps the product *unreduced* through the cast and truncates each "
            "device's 0.5 to 0, then sums: 0."),
     ("code", '''from jax.sharding import AxisType, PartitionSpec as P
@@ -63,18 +116,24 @@ v = np.random.default_rng(0).standard_normal((6, 10)).astype(np.float32)
 m = jshard.from_local([v - (i % 3) for i in range(8)], mesh, [Partial("max"), Partial("max")])
 e = jshard.jit(lambda t: jnp.exp(t) * 2.0)(m)
 print(e.placements, is_close(e.full(), np.exp(v) * 2, terms=np.exp(v) * 2))  # exp rounds once per element
+assert e.placements == (Partial("max"), Partial("max")) and is_close(e.full(), np.exp(v) * 2, terms=np.exp(v) * 2)
 s = jshard.jit(jnp.sum, out_placements=(Replicate(), Replicate()))(jshard.distribute(v, mesh, [Shard(0), Shard(1)]))
 sharded = jshard.distribute(v, mesh, [Shard(0), Shard(1)])
-print(jshard.explain(jnp.sum, sharded, out_placements=(Replicate(), Replicate())).totals)
+totals = jshard.explain(jnp.sum, sharded, out_placements=(Replicate(), Replicate())).totals
+print(totals)
+assert {k: count for k, (count, _) in totals.items()} == {"all_reduce": 1}  # one all-reduce over (dp, tp)
 blocks = [np.asarray(t) for t in s.to_local()]
 same = all(np.array_equal(blocks[0], t) for t in blocks)
-print("value", float(s), "vs", float(v.sum()), "; replicas bitwise equal:", same)'''),
+print("value", float(s), "vs", float(v.sum()), "; replicas bitwise equal:", same)
+assert same and is_close(float(s), v.sum(), n=v.size, terms=np.abs(v).sum())'''),
 ]
 
 FLAX = [
-    ("md", "# jshard 2: a Flax model, tensor / sequence / fully-sharded parallel\n\n"
-           "A small GPT in Flax NNX (`jshard.gpt`), made parallel by naming styles per module path, trained with "
-           "optax next to the same model on one device."),
+    title("02_flax_tensor_parallel.ipynb",
+          "# jshard 2: a Flax model, tensor / sequence / fully-sharded parallel\n"
+          "A small GPT in Flax NNX (`jshard.gpt`), made parallel by naming styles per module path, trained with "
+          "optax next to the same model on one device."),
+    ("code", INSTALL),
     ("code", SETUP),
     ("code", '''import optax
 from flax import nnx
@@ -102,9 +161,7 @@ ex = step.explain(*data(batches[0]))
 print(ex.totals)
 print("\\n".join(str(ex).splitlines()[:12]))'''),
     ("md", "## Communication per style\nThe same step under each style (bytes per device per step, by collective)."),
-    ("code", '''import matplotlib
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+    ("code", '''import matplotlib.pyplot as plt
 volumes = {}
 for style in ["dp", "tp", "sp", "fsdp"]:
     p, default = plan(style)
@@ -118,7 +175,9 @@ for k in kinds:
     ax.bar(list(volumes), vals, bottom=bottom, label=k)
     bottom += vals
 ax.set_ylabel("kB per device per step"); ax.legend(); plt.show()
-print(volumes)'''),
+print(volumes)
+assert set(volumes["dp"]) == {"all_reduce"}  # data parallel: the gradients' all-reduce over dp, nothing else
+assert {"all_gather", "reduce_scatter"} <= set(volumes["fsdp"])  # parameters gathered, gradients scattered'''),
     ("md", "## Training against one device"),
     ("code", '''from jshard.gpt import one_device_trainer, summed_terms
 from jshard.validate.tolerance import curve_ratio
@@ -153,6 +212,141 @@ assert abs(a - b) <= 1e-6 * abs(a)'''),
 ]
 
 
+LARGE = [
+    title("03_large_models_and_checkpoints.ipynb",
+          "# jshard 3: a model larger than one device, FSDP x TP, and checkpoints\n"
+          "Emulated CPU devices share the host's memory, so here each device is given a notional budget, "
+          "`BUDGET_MB`, and XLA's own memory analysis of each compiled step says what a device needs. The GPT "
+          "below does not fit one device; built sharded from its constructor (no device or host ever holds it "
+          "whole), it trains under FSDP x TP, is saved, and is restored under two other plans. The one-device "
+          "reference that checks the losses runs on the host, which has no such budget."),
+    ("code", INSTALL),
+    ("code", SETUP),
+    ("code", '''import optax
+from flax import nnx
+from jshard.gpt import GPT, cross_entropy, one_device_trainer, plan, summed_terms
+from jshard.parallel import FullyShard, TrainStep, parallelize
+from jshard.validate.tolerance import curve_ratio
+
+V, D, H, L, T, B = 4096, 256, 8, 4, 32, 8
+BUDGET_MB = 48
+make = lambda: GPT(V, D, H, L, T, rngs=nnx.Rngs(0))
+loss_fn = lambda model, ids, labels: cross_entropy(model(ids), labels)
+tx = optax.adamw(1e-3)
+MB = 2**20
+
+
+def compiled_mb(lowered) -> float:
+    """A device's memory for one compiled step: its arguments (the state it holds) and temporaries."""
+    m = lowered.compile().memory_analysis()
+    return (m.argument_size_in_bytes + m.temp_size_in_bytes) / MB
+
+
+# the whole model on one device, from shapes alone (nnx.eval_shape allocates nothing)
+graphdef, params, rest = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
+n_params = sum(p.size for p in jax.tree.leaves(params))
+
+
+def one_device_step(params, opt_state, ids, labels):
+    loss, g = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest), ids, labels))(params)
+    updates, opt_state = tx.update(g, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+ids = jax.ShapeDtypeStruct((B, T), jnp.int32)
+opt_state = jax.eval_shape(tx.init, params)
+whole_state_mb = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((params, opt_state))) / MB
+whole_mb = compiled_mb(jax.jit(one_device_step).lower(params, opt_state, ids, ids))
+print(f"{n_params / 1e6:.1f}M parameters, {whole_state_mb:.0f} MB with AdamW's state; one training step on one "
+      f"device needs {whole_mb:.0f} MB (budget {BUDGET_MB} MB)")
+assert whole_mb > BUDGET_MB'''),
+    ("md", "## Built sharded, trained under FSDP x TP\n"
+           "`parallelize` runs the constructor inside one sharded program: each device draws only its blocks. "
+           "Megatron's tensor-parallel styles cut the layers over `tp`; `FullyShard(\"dp\")` cuts every "
+           "parameter over `dp` as well, inside the tensor-parallel blocks (the embeddings, which no "
+           "tensor-parallel style takes, over `dp` alone)."),
+    ("code", '''tp_styles, _ = plan("tp")
+plans = {"FSDP2 x TP4": (mesh, tp_styles, (FullyShard("dp"),))}
+step = TrainStep(parallelize(make, mesh, tp_styles, default=(FullyShard("dp"),)), tx, loss_fn)
+
+
+def held_mb(tree) -> np.ndarray:
+    """MB each device holds of the DArrays in ``tree`` (padding included: what is allocated)."""
+    held = {}
+    for x in jax.tree.leaves(tree, is_leaf=lambda a: isinstance(a, jshard.DArray)):
+        if isinstance(x, jshard.DArray):
+            for shard in x.block.addressable_shards:
+                held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return np.array(list(held.values())) / MB
+
+
+print(step.model.blocks[0].down.kernel.get_value())
+state_mb = held_mb(step.state)
+print(f"parameters and AdamW state: {state_mb.max():.1f} MB per device of {whole_state_mb:.0f} MB")
+assert state_mb.max() <= whole_state_mb / 4
+
+rng = np.random.default_rng(0)
+batches = [tuple(rng.integers(0, V, (B, T)).astype(np.int32) for _ in range(2)) for _ in range(4)]
+data = lambda m, b: [jshard.distribute(a, m, [Shard(0)] + [Replicate()] * (m.devices.ndim - 1)) for a in b]
+reference = one_device_trainer(make(), tx, loss_fn)  # plain jax.jit on one device (the host: no budget)
+ours, theirs = [], []
+for b in batches[:3]:
+    ours.append(float(step(*data(mesh, b))))
+    theirs.append(reference(*b))
+print(np.round(ours, 5)); print(np.round(theirs, 5))
+assert curve_ratio(ours, theirs, n_per_step=summed_terms(V, D, L, T, B)) <= 1'''),
+    ("md", "## Saved, then restored under other plans\n"
+           "`jshard.checkpoint.save` writes each array as its global value in Orbax's format, every device its "
+           "own rows; `restore(like=...)` reads each device's rows of the template's placements: FSDP over all "
+           "8 devices of a one-axis mesh, and DP2 x TP4 (parameters replicated over `dp`). Each takes step 4, "
+           "and so does the original plan: the three losses agree."),
+    ("code", '''import tempfile
+import jshard.checkpoint
+path = tempfile.mkdtemp() + "/after_3_steps"
+jshard.checkpoint.save(path, step.state)
+mesh8 = jax.make_mesh((8,), ("dp",), devices=devices[:8])
+plans["FSDP8"] = (mesh8, {}, (FullyShard("dp"),))
+plans["DP2 x TP4"] = (mesh, tp_styles, ())
+steps = {"FSDP2 x TP4": step}
+for name in ["FSDP8", "DP2 x TP4"]:
+    m, styles, default = plans[name]
+    steps[name] = TrainStep(parallelize(make, m, styles, default=default), tx, loss_fn)
+    steps[name].state = jshard.checkpoint.restore(path, like=steps[name].state)
+step4 = {name: float(steps[name](*data(plans[name][0], batches[3]))) for name in steps}
+print(step4)
+first = step4["FSDP2 x TP4"]
+assert all(abs(loss - first) <= 1e-5 * abs(first) for loss in step4.values())'''),
+    ("md", "## Memory and communication per plan\n"
+           "Per device: the state it holds, and what XLA says its compiled step needs (arguments and "
+           "temporaries: gathered parameters, activations, gradients); per step: the bytes each device moves "
+           "in collectives (`explain`)."),
+    ("code", '''import matplotlib.pyplot as plt
+rows = {}
+for name, s in steps.items():
+    batch = data(plans[name][0], batches[0])
+    totals = s.explain(*batch).totals
+    rows[name] = {"state": held_mb(s.state).max(), "step": compiled_mb(s.lower(*batch)),
+                  "comm": sum(b for _, b in totals.values()) / MB, "collectives": sum(c for c, _ in totals.values())}
+    print(f"{name:<12} state {rows[name]['state']:5.1f} MB   step {rows[name]['step']:5.1f} MB   "
+          f"{rows[name]['collectives']:3d} collectives, {rows[name]['comm']:5.1f} MB per step")
+fig, (mem, comm) = plt.subplots(1, 2, figsize=(10, 3.2))
+x = np.arange(len(rows))
+mem.bar(x - 0.2, [r["step"] for r in rows.values()], 0.4, label="compiled step")
+mem.bar(x + 0.2, [r["state"] for r in rows.values()], 0.4, label="state held")
+mem.axhline(BUDGET_MB, color="k", ls="--", lw=1, label="device budget")
+mem.axhline(whole_mb, color="r", ls=":", lw=1, label="one device")
+mem.set_xticks(x, list(rows)); mem.set_ylabel("MB per device"); mem.legend(fontsize=8)
+comm.bar(list(rows), [r["comm"] for r in rows.values()], color="tab:green")
+comm.set_ylabel("MB per device per step")
+plt.tight_layout(); plt.show()
+assert all(r["step"] < whole_mb for r in rows.values())
+assert rows["FSDP2 x TP4"]["step"] <= BUDGET_MB'''),
+]
+
+NOTEBOOKS = {"01_placements.ipynb": PLACEMENTS, "02_flax_tensor_parallel.ipynb": FLAX,
+             "03_large_models_and_checkpoints.ipynb": LARGE}
+
+
 def notebook(cells) -> dict:
     def cell(i, kind, text):
         lines = text.splitlines(keepends=True)
@@ -166,10 +360,53 @@ def notebook(cells) -> dict:
                          "language_info": {"name": "python"}}}
 
 
-if __name__ == "__main__":
-    here = os.path.dirname(os.path.abspath(__file__))
-    for name, cells in [("01_placements.ipynb", PLACEMENTS), ("02_flax_tensor_parallel.ipynb", FLAX)]:
-        with open(os.path.join(here, name), "w") as f:
-            json.dump(notebook(cells), f, indent=1)
+def code_of(nb: dict) -> list[tuple[str, str]]:
+    """What a notebook says, without its outputs: (cell type, source) per cell."""
+    text = lambda src: src if isinstance(src, str) else "".join(src)
+    return [(c["cell_type"], text(c["source"])) for c in nb["cells"]]
+
+
+def execute(nb: dict) -> dict:
+    """``nb`` run top to bottom in a Jupyter kernel, as Colab runs it (an error stops it and raises)."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    forced = os.environ.pop("MPLBACKEND", None)  # the kernel's inline backend is what shows the figures
+    try:
+        ran = nbformat.reads(json.dumps(nb), as_version=4)
+        NotebookClient(ran, timeout=900, kernel_name="python3", record_timing=False,
+                       resources={"metadata": {"path": HERE}}).execute()
+    finally:
+        if forced is not None:
+            os.environ["MPLBACKEND"] = forced
+    ran.metadata = nbformat.from_dict(nb["metadata"])  # the kernel's own details change with every machine
+    return json.loads(nbformat.writes(ran))  # multi-line text as lists of lines, as notebook() writes it
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help="notebooks to write (default: all)")
+    parser.add_argument("--no-execute", action="store_true", help="write the code without running it")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a committed notebook's code differs")
+    args = parser.parse_args(argv)
+    stale = []
+    for name in args.names or list(NOTEBOOKS):
+        nb, path = notebook(NOTEBOOKS[name]), os.path.join(HERE, name)
+        if args.check:
+            with open(path) as f:
+                if code_of(json.load(f)) != code_of(nb):
+                    stale.append(name)
+            continue
+        if not args.no_execute:
+            nb = execute(nb)
+        with open(path, "w") as f:
+            json.dump(nb, f, indent=1, ensure_ascii=False)
             f.write("\n")
-        print("wrote", name)
+        print("wrote", name, "" if args.no_execute else "(executed)")
+    if stale:
+        print("stale (run python notebooks/build.py):", ", ".join(stale))
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
