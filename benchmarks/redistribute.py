@@ -37,13 +37,14 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
 
 import jshard  # noqa: E402
 from jshard import Partial, PlacementError, Replicate, Shard, Spec  # noqa: E402
 from jshard.lowering import compile_plan, local_program  # noqa: E402
 from jshard.placements import normalize_placements  # noqa: E402
 from jshard.planner import plan_uncached  # noqa: E402
+from jshard.spec import block_of, block_sharding, local_of  # noqa: E402
 
 # bandwidth only: the plan that moves the fewest bytes, whatever the number of collectives
 BYTES_FIRST = jshard.CostModel(launch_us=0.0, default=jshard.AxisCost(latency_us=0.0, bandwidth_gbps=19.3))
@@ -120,7 +121,6 @@ def dtensor_accepts(src, dst) -> bool:
 
 def run_config(mesh_shape, shape, *, quick: bool, execute: bool, rng) -> dict:
     mesh = jax.make_mesh(mesh_shape, NAMES[len(mesh_shape)], devices=jax.devices()[:8])
-    names = NAMES[len(mesh_shape)]
     placements = placement_set(len(mesh_shape), len(shape))
     pairs = list(itertools.product(placements, placements))
     if quick:
@@ -148,19 +148,19 @@ def run_config(mesh_shape, shape, *, quick: bool, execute: bool, rng) -> dict:
     by_src = collections.defaultdict(list)
     for src, dst in pairs if execute else ():
         by_src[src].append(dst)
-    block_spec = PartitionSpec(*names)
+    block_spec = block_sharding(mesh).spec
     for n, (src, dsts) in enumerate(by_src.items()):
         spec = Spec.create(mesh, src, shape, np.float32)
         x = jshard.from_local(source_locals(spec, value, rng), mesh, src, shape=shape)
         runs = [local_program(plans[src, d]) for d in dsts]
 
-        def body(b, runs=runs):
-            local = b.reshape(b.shape[len(mesh_shape):])
-            return tuple(_with_lead(r(local), len(mesh_shape)) for r in runs)
+        def body(b, runs=runs, spec=spec):
+            return tuple(block_of(r(local_of(b, spec))) for r in runs)
 
         prog = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=block_spec, out_specs=block_spec, check_vma=False))
         for d, out in zip(dsts, prog(x.block)):
-            if not correct(np.asarray(out), plans[src, d].dst, value):
+            dst = plans[src, d].dst
+            if not correct(np.asarray(out).reshape(dst.mesh_shape + dst.local_block_shape), dst, value):
                 wrong.append(f"{jshard.placements.format_placements(src)} -> {jshard.placements.format_placements(d)}")
         if n % 25 == 0:
             print(f"  {mesh_shape} {shape}: {n + 1}/{len(by_src)} sources, {len(wrong)} wrong, "
@@ -173,10 +173,6 @@ def run_config(mesh_shape, shape, *, quick: bool, execute: bool, rng) -> dict:
         "planning_us_median": statistics.median(plan_us), "planning_us_p90": sorted(plan_us)[int(0.9 * len(plan_us))],
         "execution_s": time.perf_counter() - t0,
     }
-
-
-def _with_lead(x, k):
-    return x.reshape((1,) * k + x.shape)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -259,7 +255,7 @@ def xla_compare(mesh_shape, shape, *, quick: bool, timing_pairs: int, reps: int)
         src_sh, dst_sh = src.to_named_sharding(), dst.to_named_sharding()
         xla = jax.jit(lambda a: a, out_shardings=dst_sh).lower(
             jax.ShapeDtypeStruct(shape, np.float32, sharding=src_sh)).compile()
-        block = jax.ShapeDtypeStruct(src.block_shape, np.float32, sharding=NamedSharding(mesh, PartitionSpec(*names)))
+        block = jax.ShapeDtypeStruct(src.block_shape, np.float32, sharding=block_sharding(mesh))
         xk, xb = hlo_traffic(xla.as_text())
         row = {"src": str(src.placements), "dst": str(dst.placements), "xla_collectives": sum(xk.values()),
                "xla_bytes": xb, "lower_bound": lower_bound(src, dst), "xla_kinds": dict(xk)}

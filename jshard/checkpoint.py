@@ -358,19 +358,19 @@ def _reduced(x: DArray) -> DArray:
 def _host_parts(x: DArray) -> tuple[Spec, list[tuple[tuple[np.ndarray, ...], np.ndarray]]]:
     """What this process writes, on the host: each of its devices' part (``_writers``) with the global indices it
     covers."""
-    spec, k = x.spec, len(x.mesh.axis_names)
+    spec = x.spec
     writers = _writers(spec)
+    coords_of = {d: np.unravel_index(i, spec.mesh_shape) for i, d in enumerate(spec.mesh.devices.flat)}
     mine = []
     for shard in x.block.addressable_shards:
-        coords = tuple(i.start or 0 for i in shard.index[:k])
-        local, idx = writers[coords]
+        local, idx = writers[tuple(int(c) for c in coords_of[shard.device])]
         if idx is not None:
             mine.append((idx, local, shard.data))
     for _, _, data in mine:
         data.copy_to_host_async()  # all transfers in flight at once
     # np.asarray waits for the host copy (on CPU: a view of the device buffer, which the view then keeps alive: a
     # later donation of the array copies instead, so the bytes being written never change)
-    return spec, [(idx, np.asarray(data)[(0,) * k + local]) for idx, local, data in mine]
+    return spec, [(idx, np.asarray(data).reshape(spec.local_block_shape)[local]) for idx, local, data in mine]
 
 
 @memo(1024)
@@ -447,13 +447,12 @@ async def _read(info: th.ParamInfo, spec: Spec) -> DArray:
     if tuple(t.shape) != spec.shape:
         raise ValueError(f"jshard.checkpoint.restore: {info.name} holds shape {tuple(t.shape)}, the template "
                          f"{spec.shape}")
-    k = len(spec.mesh_shape)
-
     async def block(idx, devices) -> dict:
         # read straight into the padded block (tensorstore copies into numpy memory): no copy in between
-        out = np.zeros((1,) * k + spec.local_block_shape, spec.dtype)
+        out = np.zeros(spec.device_block_shape, spec.dtype)
+        view = ts.array(out.reshape(spec.local_block_shape))
         if idx is not None and all(len(i) for i in idx):
-            await asyncio.gather(*[ts.array(out)[(0,) * k + local].write(t[box]) for box, local in _boxes(idx)])
+            await asyncio.gather(*[view[local].write(t[box]) for box, local in _boxes(idx)])
         return to_devices(out, devices)
 
     arrays = {}

@@ -1,7 +1,8 @@
 """DArray: a global array stored as one block per device, described by a Spec.
 
-The storage is one ``jax.Array`` of shape ``mesh.shape + local_block_shape`` sharded
-``P(*mesh.axis_names)``: every device holds exactly its own block, padded to the largest local shape.
+The storage is one ``jax.Array``: every device's block, padded to the largest local shape, one after another
+along dim 0 in mesh device order, with dim 0 sharded over all mesh axes (``Spec.block_shape``,
+``block_sharding``), so every device holds exactly its own block.
 That represents every placement alike (Partial, StridedShard, uneven shards). A DArray is a pytree whose
 only leaf is that block array (the spec is static), so it passes through ``jax.jit``, ``jax.tree``
 utilities and Flax containers.
@@ -159,19 +160,14 @@ class DArray:
         """Every device's local array with its true (possibly uneven or empty) shape, in mesh device
         order (``mesh.devices.flat``). Devices this process cannot address (multi-host) give None."""
         self._check_live("to_local")
-        k = len(self.mesh.axis_names)
-        blocks = {}
-        for shard in self.block.addressable_shards:
-            coords = tuple(i.start or 0 for i in shard.index[:k])
-            blocks[shard.device] = (coords, shard.data)
+        blocks = {shard.device: shard.data for shard in self.block.addressable_shards}
         out = []
-        for device in self.mesh.devices.flat:
+        for i, device in enumerate(self.mesh.devices.flat):
             if device not in blocks:
                 out.append(None)
                 continue
-            coords, data = blocks[device]
-            shape = self.spec.local_shape(coords)
-            out.append(data[(0,) * k + tuple(slice(0, n) for n in shape)])
+            shape = self.spec.local_shape(np.unravel_index(i, self.spec.mesh_shape))
+            out.append(blocks[device][tuple(slice(0, n) for n in shape)] if shape else blocks[device].reshape(()))
         return out
 
 
@@ -266,12 +262,11 @@ def from_local(locals: Sequence, mesh: Mesh, placements: Sequence[Placement], sh
                 "or empty)"
             )
     local = spec.local_block_shape
-    k = len(mesh_shape)
     shards = []
     for i, a in arrays.items():
-        pad = [(0, 0)] * k + [(0, n - s) for n, s in zip(local, a.shape)]
-        block = (jnp if isinstance(a, jax.Array) else np).pad(a.reshape((1,) * k + a.shape), pad)
-        shards.append(jax.device_put(block, devices[i]))
+        widths = [(0, n - s) for n, s in zip(local, a.shape)]
+        block = (jnp if isinstance(a, jax.Array) else np).pad(a, widths) if widths else a
+        shards.append(jax.device_put(block.reshape(spec.device_block_shape), devices[i]))
     block = jax.make_array_from_single_device_arrays(spec.block_shape, block_sharding(mesh), shards)
     return DArray(block, spec)
 
@@ -378,9 +373,7 @@ def from_jax(x: jax.Array, mesh: Mesh | None = None) -> DArray:
                              f"{format_mesh(mesh)} (other devices or axis names); move it with "
                              "jax.device_put(x, NamedSharding(mesh, spec)) first")
         spec = Spec.create(mesh, spec.placements, spec.shape, spec.dtype, where="from_jax")
-    k = len(spec.mesh_shape)
-    block_shape = (1,) * k + spec.local_block_shape
-    shards = [s.data.reshape(block_shape) for s in x.addressable_shards]
+    shards = [s.data.reshape(spec.device_block_shape) for s in x.addressable_shards]
     block = jax.make_array_from_single_device_arrays(spec.block_shape, block_sharding(spec.mesh), shards)
     return DArray(block, spec)
 
@@ -437,10 +430,9 @@ def _put_block(spec: Spec, idx: tuple[np.ndarray, ...] | None, devices: list, va
     """``value`` (the block at global indices ``idx``; zeros where ``idx`` is None) padded with zeros to the block
     shape, on each of ``devices``: device -> array. The padded copy is fresh: on CPU, JAX may alias a host
     array, and the DArray must not follow later writes to ``value``."""
-    k = len(spec.mesh_shape)
-    out = np.zeros((1,) * k + spec.local_block_shape, spec.dtype)
+    out = np.zeros(spec.device_block_shape, spec.dtype)
     if idx is not None:
-        out[(0,) * k + tuple(slice(0, len(i)) for i in idx)] = value
+        out.reshape(spec.local_block_shape)[tuple(slice(0, len(i)) for i in idx)] = value
     return to_devices(out, devices)
 
 

@@ -30,7 +30,7 @@ from .caches import memo
 from .exchange import exchange_schedule
 from .local import PerDevice, reduce_identity
 from .planner import Plan, Step
-from .spec import Spec
+from .spec import Spec, block_of, block_sharding, local_of
 
 __all__ = ["compile_plan", "local_program", "ordered_reduce", "reduce_identity"]
 
@@ -43,19 +43,16 @@ def compile_plan(plan: Plan, *, global_in: bool = False, global_out: bool = Fals
     ``global_out``: the output is the global value (the plan must end all-Replicate, hence unpadded).
     """
     mesh = plan.src.mesh
-    names = tuple(mesh.axis_names)
-    k = len(names)
     run = local_program(plan)
 
     def body(x):
-        x = run(x if global_in else x.reshape(x.shape[k:]))
-        return x if global_out else x.reshape((1,) * k + x.shape)
+        x = run(x if global_in else local_of(x, plan.src))
+        return x if global_out else block_of(x)
 
-    block_spec = PartitionSpec(*names)
-    fn = jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec() if global_in else block_spec,
-                       out_specs=PartitionSpec() if global_out else block_spec, check_vma=False)
-    out_sharding = NamedSharding(mesh, PartitionSpec() if global_out else block_spec)
-    return jax.jit(fn, out_shardings=out_sharding)
+    blocks = block_sharding(mesh)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec() if global_in else blocks.spec,
+                       out_specs=PartitionSpec() if global_out else blocks.spec, check_vma=False)
+    return jax.jit(fn, out_shardings=NamedSharding(mesh, PartitionSpec()) if global_out else blocks)
 
 
 def local_program(plan: Plan) -> Callable:

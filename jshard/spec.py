@@ -46,7 +46,7 @@ from .placements import (
 )
 
 __all__ = ["Spec", "LayoutError", "format_mesh", "check_mesh", "check_dtype", "chunk_sizes", "dim_layout", "cut_order",
-           "block_sharding", "shard_order"]
+           "block_sharding", "block_of", "local_of", "shard_order"]
 
 
 class LayoutError(ValueError):
@@ -262,9 +262,16 @@ class Spec:
         return tuple(lay.shape[-1] for lay in self.layouts)
 
     @property
+    def device_block_shape(self) -> tuple[int, ...]:
+        """One device's piece of block storage: ``local_block_shape`` (``(1,)`` for a scalar)."""
+        return self.local_block_shape or (1,)
+
+    @property
     def block_shape(self) -> tuple[int, ...]:
-        """Shape of the block-storage array: ``mesh.shape + local_block_shape``."""
-        return self.mesh_shape + self.local_block_shape
+        """Shape of the block-storage array: the devices' blocks one after another along dim 0, in mesh device
+        order (``block_sharding``)."""
+        first, *rest = self.device_block_shape
+        return (math.prod(self.mesh_shape) * first, *rest)
 
     @cached_property
     def local_shapes(self) -> np.ndarray:
@@ -366,5 +373,17 @@ class Spec:
 
 
 def block_sharding(mesh: Mesh) -> NamedSharding:
-    """The sharding of block storage: each device holds exactly its own ``(1, ..., 1, *local)`` block."""
-    return NamedSharding(mesh, PartitionSpec(*mesh.axis_names))
+    """The sharding of block storage: dim 0 cut over every mesh axis, so each device holds exactly its own block,
+    with its local shape. (Stacking the blocks on leading size-1 mesh dims instead would put a reshape on every
+    input and output of a program, and XLA then copies each donated buffer rather than update it in place.)"""
+    return NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
+
+
+def local_of(block, spec: Spec):
+    """Inside ``shard_map``: a device's piece of block storage as its local block (a scalar's ``(1,)`` as ``()``)."""
+    return block.reshape(()) if not spec.shape else block
+
+
+def block_of(local):
+    """Inside ``shard_map``: a device's local block as its piece of block storage (``local_of`` undone)."""
+    return local.reshape((1,)) if not local.shape else local

@@ -161,15 +161,15 @@ def poisoned(value: np.ndarray, mesh, placements, rng):
 
     x = jshard.from_local(local_blocks(value, tuple(mesh.devices.shape), placements, rng), mesh, placements,
                           shape=value.shape)
-    block = np.array(x.block)
+    block = np.array(x.block).reshape(x.spec.mesh_shape + x.spec.device_block_shape)
     kind = block.dtype.kind
     poison = np.iinfo(block.dtype).max // 3 if kind in "iu" else True if kind == "b" else np.nan  # bf16: 'V'
     for coords in np.ndindex(*x.spec.mesh_shape):
         valid = np.ones((), dtype=bool)
         for d, lay in enumerate(x.spec.layouts):
             valid = valid & (lay[coords] >= 0).reshape([-1 if a == d else 1 for a in range(x.ndim)])
-        block[coords][~np.broadcast_to(valid, x.spec.local_block_shape)] = poison
-    return DArray(jax.device_put(block, block_sharding(mesh)), x.spec)
+        block[coords].reshape(x.spec.local_block_shape)[~np.broadcast_to(valid, x.spec.local_block_shape)] = poison
+    return DArray(jax.device_put(block.reshape(x.spec.block_shape), block_sharding(mesh)), x.spec)
 
 
 def placement_st(rank, split_factors=(2, 3)):

@@ -132,7 +132,9 @@ def test_pytree_through_jit_and_tree_utils():
 def test_repr_and_attributes():
     x = jshard.distribute(np.zeros((16, 8), np.float32), make_mesh((2, 4)), [Shard(0), Partial()])
     assert repr(x) == "DArray(f32[16,8] (S(0), P(sum)) on mesh(dp=2, tp=4))"
-    assert x.spec.block_shape == (2, 4, 8, 8) and x.block.shape == (2, 4, 8, 8)
+    # the 8 devices' (8, 8) blocks one after another on dim 0, each device holding its own
+    assert x.spec.block_shape == (64, 8) and x.block.shape == (64, 8)
+    assert all(s.data.shape == (8, 8) for s in x.block.addressable_shards)
 
 
 @pytest.mark.parametrize("shape", [(), (5,), (6, 10), (3, 4, 5), (2, 3, 4, 5)])

@@ -100,12 +100,11 @@ def assert_same(x: DArray, value, mesh_shape, placements):
 
 
 def padding_is_zero(x: DArray) -> bool:
-    block = np.asarray(x.block)
-    k = len(x.spec.mesh_shape)
+    block = np.asarray(x.block).reshape(x.spec.mesh_shape + x.spec.device_block_shape)
     for coords in np.ndindex(*x.spec.mesh_shape):
         mask = np.ones(x.spec.local_block_shape, bool)
         mask[tuple(slice(0, n) for n in x.spec.local_shape(coords))] = False
-        if (block[coords + (Ellipsis,)].reshape(block.shape[k:])[mask] != 0).any():
+        if (block[coords].reshape(x.spec.local_block_shape)[mask] != 0).any():
             return False
     return True
 
@@ -192,7 +191,7 @@ def test_distribute_host_value_sends_no_replicated_copy(monkeypatch):
     for placements in [(Shard(0), Shard(1)), (Replicate(), Replicate()), (Partial(), StridedShard(0, 2))]:
         x = jshard.distribute(np.ones((8, 8), np.float32), mesh, placements)
         assert not replicated() and not plans, (placements, shardings, plans)
-        assert all(s.data.shape == (1, 1) + x.spec.local_block_shape for s in x.block.addressable_shards)
+        assert all(s.data.shape == x.spec.local_block_shape for s in x.block.addressable_shards)
     jshard.distribute(np.float32(1.0), mesh, [Partial(), Replicate()])
     assert not replicated() and not plans
     # the instrument sees the device path, which jax.Array inputs still take

@@ -28,14 +28,14 @@ PRIMS = ["gather", "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scat
 def garbage(x: DArray) -> DArray:
     """``x`` with its padding overwritten by NaN (floats) or a large int: a local function must never
     read it as a value."""
-    block = np.array(x.block)
+    block = np.array(x.block).reshape(x.spec.mesh_shape + x.spec.local_block_shape)  # a block per device
     k = x.mesh.devices.ndim
     bad = np.nan if block.dtype.kind == "f" else np.iinfo(block.dtype).max // 3 + 7
     for d, lay in enumerate(x.spec.layouts):  # lay: mesh_shape + (padded,), -1 on padding
         shape = list(lay.shape[:k]) + [1] * (block.ndim - k)
         shape[k + d] = lay.shape[-1]
         block = np.where((lay < 0).reshape(shape), bad, block)
-    return DArray(jax.device_put(block, block_sharding(x.mesh)), x.spec)
+    return DArray(jax.device_put(block.reshape(x.spec.block_shape), block_sharding(x.mesh)), x.spec)
 
 
 def parts(value, mesh, placements, rng):

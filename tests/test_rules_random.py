@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.extend.core import primitives as prims
-from jax.sharding import PartitionSpec
 
 import jshard.validate.samples
 from conftest import make_mesh
@@ -17,6 +16,7 @@ from jshard import Partial, Replicate, Shard, Spec, StridedShard, distribute
 from jshard.darray import DArray
 from jshard.engine import local_equation
 from jshard.propagate import select
+from jshard.spec import block_of, block_sharding, local_of
 from jshard.validate.core import collect, validate
 from oracle import check_darray
 
@@ -70,8 +70,6 @@ def key_spec(mesh, placements, shape=()):
 def draw(mesh, key_data, key_placements, out_placements, shape, dtype=jnp.uint32):
     """Run random_bits' local function in shard_map: key data as blocks (wrapped on each device), output
     blocks under ``out_placements``. Returns the output DArray."""
-    names = tuple(mesh.axis_names)
-    k = len(names)
     key_data = np.asarray(key_data)
     kshape = key_data.shape[:-1]
     keys = jax.random.wrap_key_data(key_data)
@@ -84,10 +82,9 @@ def draw(mesh, key_data, key_placements, out_placements, shape, dtype=jnp.uint32
     data = distribute(key_data, mesh, key_placements)
 
     def body(block):
-        out = fn(jax.random.wrap_key_data(block.reshape(block.shape[k:])))[0]
-        return out.reshape((1,) * k + out.shape)
+        return block_of(fn(jax.random.wrap_key_data(local_of(block, data.spec)))[0])
 
-    block = PartitionSpec(*names)
+    block = block_sharding(mesh).spec
     run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(block,), out_specs=block, check_vma=False))
     return DArray(run(data.block), out_spec), eqn
 

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import PartitionSpec
 
 import jshard
 from conftest import make_mesh
@@ -18,6 +17,7 @@ from jshard.darray import DArray
 from jshard.engine import local_equation
 from jshard.propagate import select
 from jshard.rules.shapes import blocks_reshape, unit_presence
+from jshard.spec import block_of, block_sharding
 from jshard.validate.core import collect, run_equation, validate, walk_samples
 from jshard.validate.samples import shapes as samples_module
 from oracle import check_darray, local_blocks
@@ -271,9 +271,8 @@ def test_iota_local_on_sharded_outputs(shape, dimension, placements):
     prim, params = equation(lambda: lax.broadcasted_iota(jnp.int32, shape, dimension))
     spec = Spec.create(mesh, placements, shape, "int32")
     fn = local_equation(prim, params, (), (spec,))
-    k = len(mesh.axis_names)
-    body = lambda: [o.reshape((1,) * k + o.shape) for o in fn()]
-    block = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(), out_specs=[PartitionSpec(*mesh.axis_names)],
+    body = lambda: [block_of(o) for o in fn()]
+    block = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(), out_specs=[block_sharding(mesh).spec],
                                   check_vma=False))()[0]
     check_darray(DArray(block, spec), np.asarray(lax.broadcasted_iota(jnp.int32, shape, dimension)))
 

@@ -258,7 +258,7 @@ def _parse_groups(groups_text: str) -> set:
 
 
 def _assert_replicas_bitwise_equal(out):
-    blocks = np.asarray(out.block).reshape((-1,) + out.spec.local_block_shape)
+    blocks = np.asarray(out.block).reshape((-1,) + out.spec.device_block_shape)
     assert len(blocks) == 8
     for b in blocks[1:]:
         assert b.tobytes() == blocks[0].tobytes()

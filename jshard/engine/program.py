@@ -18,11 +18,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from ..darray import DArray, DeletedArrayError, adopt, donation_of, donation_slot
 from ..jaxcompat import open_jaxpr, source_info_util
-from ..spec import Spec, format_mesh
+from ..spec import Spec, block_of, block_sharding, format_mesh, local_of
 from .kernel import communicates, local_function
 from .walk import JaxprPlan, plan_jaxpr
 
@@ -115,16 +115,16 @@ class Program:
         self._donated, self._donated_set = donated, frozenset(donated)
         self._slot = donation_slot(lambda i: where(i) + " (jshard.jit donate_argnums)") if donated else None
         run = local_function(traced.plan, traced.pins)
-        k = mesh.devices.ndim
+        in_specs = [d.spec for d in traced.lifted] + list(specs)
         self._bounded = mesh.devices.flat[0].platform == "cpu" and communicates(traced.plan, traced.pins)
         self._in_flight: collections.deque = collections.deque()
 
         def body(*blocks):
-            results = run(*[b.reshape(b.shape[k:]) for b in blocks])
+            results = run(*[local_of(b, s) for b, s in zip(blocks, in_specs)])
             token = [jnp.zeros((), jnp.bool_)] if self._bounded else []
-            return [r.reshape((1,) * k + r.shape) for r in results + token]
+            return [block_of(r) for r in results + token]
 
-        block = PartitionSpec(*mesh.axis_names)
+        block = block_sharding(mesh).spec
         self.jitted = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(block,) * (lift + len(specs)),
                                             out_specs=[block] * (len(self.out_specs) + self._bounded),
                                             check_vma=False), donate_argnums=tuple(lift + i for i in donated))

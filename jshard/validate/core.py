@@ -34,7 +34,7 @@ from ..jaxcompat import inlined_call, jc, open_jaxpr
 from ..placements import REDUCE_OPS, Partial, Placement, Replicate, Shard
 from ..propagate import offered, params_key
 from ..rules.registry import registered, rule_for
-from ..spec import Spec
+from ..spec import Spec, block_of, block_sharding, local_of
 
 __all__ = ["Sample", "Report", "collect", "validate"]
 
@@ -416,8 +416,6 @@ def run_equation(prim, params: dict, inputs: Sequence, *, consts: Sequence | Non
     inputs to it, run ``local_equation`` on every device inside ``shard_map``. Returns ``(outputs,
     choice)``; compare ``[o.full() for o in outputs]`` with the single-device result.
     """
-    from jax.sharding import PartitionSpec
-
     from ..darray import DArray
     from ..propagate import select
 
@@ -429,12 +427,10 @@ def run_equation(prim, params: dict, inputs: Sequence, *, consts: Sequence | Non
     moved = [x.redistribute(s.placements) for x, s in zip(inputs, choice.ins)]
     fn = local_equation(prim, params, choice.ins, choice.outs)
     mesh = inputs[0].mesh
-    k = len(mesh.axis_names)
-    block = PartitionSpec(*mesh.axis_names)
+    block = block_sharding(mesh).spec
 
     def body(*blocks):
-        outs = fn(*[b.reshape(b.shape[k:]) for b in blocks])
-        return [o.reshape((1,) * k + o.shape) for o in outs]
+        return [block_of(o) for o in fn(*[local_of(b, s) for b, s in zip(blocks, choice.ins)])]
 
     run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(block,) * len(moved),
                                 out_specs=[block] * len(choice.outs), check_vma=False))
