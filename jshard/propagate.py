@@ -42,7 +42,7 @@ from .planner import DEFAULT_COST_MODEL
 from .rules.registry import Column, Rule, fill, rule_for
 from .spec import Spec, dim_layout
 
-__all__ = ["Aval", "Choice", "select", "offered"]
+__all__ = ["Aval", "Choice", "alternatives", "select", "offered"]
 
 _R = Replicate()
 
@@ -88,6 +88,36 @@ def select(prim: Any, params: dict, in_specs: Sequence[Spec], out_avals: Sequenc
     return hit
 
 
+def alternatives(prim: Any, params: dict, in_specs: Sequence[Spec], out_avals: Sequence[Any], *,
+                 consts: Sequence[Any] | None = None, mesh: Mesh | None = None, limit: int = 4) -> list[Choice]:
+    """Up to ``limit`` correct strategies with distinct output specs, cheapest first (the first is ``select``'s
+    when nothing ties): what a planner that looks past one equation weighs against the greedy choice.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jshard import Spec, Shard
+    >>> mesh = jax.make_mesh((2, 4), ("dp", "tp"))
+    >>> x = Spec.create(mesh, [Shard(0), Shard(1)], (8, 16), "float32")
+    >>> [c.outs[0].placements for c in alternatives(jax.lax.exp_p, {}, [x], [x], limit=2)]
+    [(S(0), S(1)), (S(1), S(1))]
+    """
+    name = prim if isinstance(prim, str) else prim.name
+    consts = _consts_key(consts, len(in_specs))
+    frozen, outs_key = params_key(params), _avals_key(out_avals)
+    key = (name, frozen, tuple(in_specs), outs_key, consts, mesh, limit)
+    hit = _ALTERNATIVES.get(key)
+    if hit is None:
+        sel = Selection(name, params, tuple(in_specs), tuple(out_avals), DEFAULT_COST_MODEL, consts, mesh,
+                        (frozen, outs_key))
+        hit = []
+        for choice in sel.search(pops=64):
+            if all(choice.outs != c.outs for c in hit):
+                hit.append(choice)
+                if len(hit) == limit:
+                    break
+        _ALTERNATIVES.put(key, hit)
+    return list(hit)
+
+
 def offered(prim: Any, params: dict, in_specs: Sequence[Spec], out_avals: Sequence[Any], *,
             consts: Sequence[Any] | None = None, mesh: Mesh | None = None) -> list[tuple]:
     """Every output placement tuple (one per output) the rules allow for inputs exactly as they are."""
@@ -109,6 +139,7 @@ def offered(prim: Any, params: dict, in_specs: Sequence[Spec], out_avals: Sequen
 # internals
 
 _SELECTED = Cache(65536)  # (primitive, params, input specs, ...) -> Choice
+_ALTERNATIVES = Cache(16384)  # (primitive, params, input specs, ...) -> [Choice, ...]
 _COLUMNS = Cache(16384)  # a rule's strategies expanded for (primitive, params, shapes, shard kinds)
 
 
@@ -372,23 +403,29 @@ class Selection:
             cand = self.candidate(firsts)
             if cand is not None:
                 return Choice(cand[0], cand[1], 0.0, self.rule)
+        for choice in self.search():
+            return choice
+        raise AssertionError(f"no valid strategy for '{self.name}' on {self.in_specs}: all-Replicate must be "
+                             "valid")
+
+    def search(self, pops: float = math.inf):
+        """The valid combinations, cheapest first, as Choices (at most ``pops`` combinations are looked at)."""
         per_axis = [self.options(m) for m in self.active]
         start = (0,) * len(per_axis)
         heap = [(self._key(per_axis, start), start)]
         seen = {start}
-        while heap:
+        while heap and pops > 0:
+            pops -= 1
             key, idx = heapq.heappop(heap)
             cand = self.candidate([per_axis[a][i][1] for a, i in enumerate(idx)])
             if cand is not None:
-                return Choice(cand[0], cand[1], key[0], self.rule)
+                yield Choice(cand[0], cand[1], key[0], self.rule)
             for a in range(len(idx)):
                 if idx[a] + 1 < len(per_axis[a]):
                     nxt = idx[:a] + (idx[a] + 1,) + idx[a + 1:]
                     if nxt not in seen:
                         seen.add(nxt)
                         heapq.heappush(heap, (self._key(per_axis, nxt), nxt))
-        raise AssertionError(f"no valid strategy for '{self.name}' on {self.in_specs}: all-Replicate must be "
-                             "valid")
 
     @staticmethod
     def _key(per_axis, idx):

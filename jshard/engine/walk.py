@@ -4,8 +4,10 @@
 cheapest correct strategy (``jshard.propagate.select``). Calls (``jit``, ``custom_jvp_call``, ``remat``, ...)
 are followed inline; control flow (registered with ``@control(name)``, see ``jshard.engine.control``) walks its
 bodies as plans of their own. A second pass looks back from the consumers: where every consumer of a value
-moves it to one spec, its producer is asked to produce that spec directly when that costs no collective.
-Then each operand's move is planned (``jshard.planner``), dead equations are dropped, and a value moved to the
+moves it to one spec, its producer is asked to produce that spec directly when that costs no collective. A third
+looks past one equation: where an equation moves an input with a collective, its next strategies are tried with
+the change rippled through its consumers, and one is kept where the program's moves cost less and send no more
+bytes. Then each operand's move is planned (``jshard.planner``), dead equations are dropped, and a value moved to the
 same spec for several consumers moves once.
 
 The result is a ``JaxprPlan``: per equation (``EquationPlan``) the operands with their moves, the chosen
@@ -14,6 +16,7 @@ strategy and, for control flow, the local loop or switch. ``jshard.engine.kernel
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +29,7 @@ from jax.sharding import Mesh
 from ..jaxcompat import inlined_call, jc, open_jaxpr, source_info_util
 from ..placements import Replicate
 from ..planner import Plan, plan_redistribute
-from ..propagate import Choice, select
+from ..propagate import Choice, alternatives, select
 from ..rules.registry import has_rule, rule_for
 from ..spec import Spec
 from .constrain import constrain_p, constrain_target
@@ -140,7 +143,13 @@ def plan_jaxpr(closed: jc.ClosedJaxpr, specs: list[Spec], mesh: Mesh, pinned: li
                   for v, c, s in zip(jaxpr.constvars, consts, lifted)]
     equations: list[EquationPlan] = []
     outs = _walk_closed(jaxpr, const_vars, list(jaxpr.invars), env, equations, mesh)
-    _reseat(equations, outs, env, mesh, pinned or [None] * len(outs))
+    pinned = pinned or [None] * len(outs)
+    _reseat(equations, outs, env, mesh, pinned)
+    _look_ahead(equations, outs, env, mesh, pinned)
+    for eq in equations:  # every move from the producer's final spec to what its consumer runs with; constants
+        # move like values (R -> P(sum) of a literal: the value on one coordinate)
+        eq.operands = [op._replace(move=None if s == t else plan_redistribute(s, t.placements))
+                       for op, s, t in zip(eq.operands, _operand_specs(eq, env, mesh), eq.choice.ins)]
     live = {o for o in outs if not isinstance(o, jc.Literal)}  # drop dead equations (and their collectives)
     kept = []
     for eq in reversed(equations):
@@ -284,11 +293,110 @@ def _reseat(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh, pi
             for o, spec in zip(eq.outs, choice.outs):
                 if o is not None:
                     env[o] = spec
-    # every move from the (possibly re-seated) producer's spec to what its consumer runs with; constants move
-    # like values (R -> P(sum) of a literal: the value on one coordinate)
-    for eq in equations:
-        eq.operands = [op._replace(move=None if s == t else plan_redistribute(s, t.placements))
-                       for op, s, t in zip(eq.operands, _operand_specs(eq, env, mesh), eq.choice.ins)]
+
+
+def _look_ahead(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh, pinned: list) -> None:
+    """The walk picks each equation's cheapest strategy for the inputs it has, blind to what its output then costs
+    its consumers. Here every equation that moves an input with a collective weighs its next strategies (other
+    output specs) by their effect on the whole program: the change ripples forwards, each consumer re-chosen
+    greedily for its new inputs, until the specs are those of the current plan again, and it is kept where the
+    program's moves (a value moved to one spec for several consumers counted once) cost less in all.
+    (Sequence parallelism's backward pass: gathering the gradient instead of the weight keeps the MLP's hidden
+    dim sharded, where the greedy choice moved every GELU intermediate with an all-to-all.)"""
+    users: dict = {}
+    for i, eq in enumerate(equations):
+        for op in eq.operands:
+            if not op.literal:
+                users.setdefault(op.value, []).append(i)
+    pins = {o: p for o, p in zip(outs, pinned) if p is not None and not isinstance(o, jc.Literal)}
+    fixed = {o for o in outs if not isinstance(o, jc.Literal) and o not in pins}  # what an unpinned output shows
+    for i, eq in enumerate(equations):
+        if not _choosable(eq):
+            continue
+        specs = _operand_specs(eq, env, mesh)
+        if not any(plan_redistribute(s, t.placements).collectives for s, t in zip(specs, eq.choice.ins) if s != t):
+            continue
+        for alt in alternatives(eq.eqn.primitive, eq.eqn.params, specs, [o.aval for o in eq.eqn.outvars],
+                                consts=eq.consts, mesh=mesh):
+            if alt.outs == eq.choice.outs:
+                continue
+            trial = _ripple(equations, users, env, mesh, pins, fixed, i, alt)
+            if trial is not None:
+                for j, choice in trial[0].items():
+                    equations[j].choice = choice
+                env.update(trial[1])
+                break
+
+
+def _ripple(equations, users, env, mesh, pins, fixed, start, choice, limit=256):
+    """The plan with equation ``start`` running ``choice``, its consumers re-chosen for their new inputs as far as
+    the specs differ: ``(choices, specs)`` to apply, or None where its moves cost no less than the current plan's."""
+    choices, specs, touched, queue = {start: choice}, {}, {start}, []
+
+    def changed(eq, outs) -> bool:
+        for o, new in zip(eq.outs, outs):
+            if o is not None and new != env[o]:
+                if o in fixed:
+                    return False
+                specs[o] = new
+                for j in users.get(o, ()):
+                    if j not in touched:
+                        touched.add(j)
+                        heapq.heappush(queue, j)
+        return True
+
+    if not changed(equations[start], choice.outs):
+        return None
+    while queue:
+        j = heapq.heappop(queue)
+        if len(touched) > limit:
+            return None
+        eq = equations[j]
+        if not _choosable(eq):  # it keeps its strategy: only its moves change
+            continue
+        new = [s if op.literal else specs.get(op.value, s) for op, s in zip(eq.operands, _operand_specs(eq, env, mesh))]
+        pick = select(eq.eqn.primitive, eq.eqn.params, new, [o.aval for o in eq.eqn.outvars], consts=eq.consts,
+                      mesh=mesh)
+        choices[j] = pick
+        if pick.outs != eq.choice.outs and not changed(eq, pick.outs):
+            return None
+    pinned = [(v, pin) for v, pin in pins.items() if v in specs]
+    (cost, sent), (was, sent_before) = (_moves_cost(equations, users, env, touched, c, v, mesh, pinned)
+                                        for c, v in ((choices, specs), ({}, {})))
+    # cheaper, and never by trading a few small reductions' latency for more bytes moved
+    return (choices, specs) if cost < was - 1e-9 and sent <= sent_before else None
+
+
+def _moves_cost(equations, users, env, touched, choices, specs, mesh, pinned) -> tuple[float, float]:
+    """What the moves into the ``touched`` equations and the ``pinned`` outputs' moves (value, pin) cost with
+    ``choices`` and ``specs`` over the current plan, in µs and in bytes a device sends: a value moved to one spec
+    for several consumers moves once."""
+    moves = []
+    seen = set()
+    for j in touched:
+        eq = equations[j]
+        ins = choices.get(j, eq.choice).ins
+        for op, s, t in zip(eq.operands, _operand_specs(eq, env, mesh), ins):
+            if op.literal:
+                moves.append((s, t))
+                continue
+            for k in users[op.value]:  # all its consumers: the moves they share are paid once
+                user = equations[k]
+                for o, u in zip(user.operands, choices.get(k, user.choice).ins):
+                    if not o.literal and o.value is op.value:
+                        seen.add((op.value, u))
+    moves += [(specs.get(v, env[v]), t) for v, t in seen]
+    moves += [(specs.get(v, env[v]), pin) for v, pin in pinned]
+    try:
+        plans = [plan_redistribute(s, t.placements) for s, t in moves if s != t]
+    except ValueError:  # no way there (a Partial of another kind)
+        return math.inf, math.inf
+    return sum(p.cost for p in plans), sum(p.bytes for p in plans)
+
+
+def _choosable(eq: EquationPlan) -> bool:
+    """May the planner change this equation's strategy (a rule's; not control flow, a pin or an identity)?"""
+    return eq.kernel is None and not eq.bodies and eq.eqn.primitive is not constrain_p and has_rule(eq.eqn.primitive)
 
 
 class _Pin(NamedTuple):
