@@ -5,7 +5,8 @@ step time of each (interleaved rounds, median ratio; target jshard / jax.jit <= 
 step in each compiled program (target: jshard's <= GSPMD's), the first call of each, and the loss curves
 (they must agree). Prints a table and writes JSON.
 
-    python benchmarks/train_step.py [--layers 2] [--steps 10] [--out benchmarks/results/train_step.json]
+    python benchmarks/train_step.py [--layers 2] [--steps 10] [--rounds 10] [--size toy|compute|large]
+                                    [--setups tp4,sp] [--out benchmarks/results/train_step.json]
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from jshard.validate.tolerance import curve_ratio  # noqa: E402
 from report import write_json  # noqa: E402
 
 VOCAB, DIM, HEADS, SEQ, BATCH = 256, 128, 4, 64, 16
+# --size: (vocab, width, heads, sequence, batch); "compute" is compute-bound on CPU devices (the issue's width 1024,
+# 8 layers, sequence 512 takes minutes a step on 2 emulated-device cores: run it with --size large where cores allow)
+SIZES = {"toy": (256, 128, 4, 64, 16), "compute": (2048, 512, 8, 256, 8), "large": (8192, 1024, 16, 512, 8)}
 # name: (mesh shape, axis names, plan style, FSDP on "dp" under the plan's styles)
 SETUPS = {"tp4": ((4,), ("tp",), "tp", False), "dp2xtp4": ((2, 4), ("dp", "tp"), "tp", False),
           "fsdp2xtp4": ((2, 4), ("dp", "tp"), "tp", True), "fsdp8": ((8,), ("dp",), "fsdp", False),
@@ -51,7 +55,7 @@ def traffic(compiled) -> dict:
             "temp_plus_args_bytes": int(m.temp_size_in_bytes + m.argument_size_in_bytes)}
 
 
-def run(name: str, layers: int, steps: int, rounds: int = 10) -> dict:
+def run(name: str, layers: int, steps: int, rounds: int) -> dict:
     shape, names, style, fsdp = SETUPS[name]
     n = int(np.prod(shape))
     devices = jax.devices() if len(jax.devices()) >= n else jax.devices("cpu")
@@ -133,12 +137,16 @@ def main():
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", default="benchmarks/results/train_step.json")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--size", choices=list(SIZES), default="toy")
     ap.add_argument("--setups", default="", help=f"comma-separated, of {', '.join(SETUPS)} (default: all)")
     args = ap.parse_args()
+    global VOCAB, DIM, HEADS, SEQ, BATCH
+    VOCAB, DIM, HEADS, SEQ, BATCH = SIZES[args.size]
     names = args.setups.split(",") if args.setups else list(SETUPS)
-    rows = [run(name, args.layers, args.steps) for name in names]
+    rows = [run(name, args.layers, args.steps, args.rounds) for name in names]
     print(f"GPT: vocab {VOCAB}, width {DIM}, {HEADS} heads, sequence {SEQ}, batch {BATCH}, {args.layers} layers; "
-          f"{args.steps} steps per round, {10} interleaved rounds\n")
+          f"{args.steps} steps per round, {args.rounds} interleaved rounds\n")
     print(f"{'setup':<10} {'step ms jshard':>15} {'jax.jit':>8} {'ratio med (min-max)':>20} {'collectives':>12} "
           f"{'GSPMD':>6} {'recv KB/dev':>12} {'GSPMD':>8} {'temp+args MB':>13} {'GSPMD':>7} {'first s':>8} "
           f"{'jax.jit':>8} {'losses':>7}")
@@ -153,7 +161,7 @@ def main():
               f"{'agree' if r['losses_agree'] else 'DIFFER':>7}")
     print("\ntargets: ratio <= 1.00, collectives and received bytes <= GSPMD's, temp+args <= GSPMD's, first call "
           "<= 1.2x")
-    write_json(args.out, rows=rows, vocab=VOCAB, dim=DIM, seq=SEQ, batch=BATCH)
+    write_json(args.out, rows=rows, size=args.size, vocab=VOCAB, dim=DIM, seq=SEQ, batch=BATCH)
 
 
 if __name__ == "__main__":
