@@ -391,7 +391,7 @@ def _moves_cost(equations, users, env, touched, choices, specs, mesh, pinned) ->
         plans = [plan_redistribute(s, t.placements) for s, t in moves if s != t]
     except ValueError:  # no way there (a Partial of another kind)
         return math.inf, math.inf
-    return sum(p.cost for p in plans), sum(p.bytes for p in plans)
+    return math.fsum(p.cost for p in plans), sum(p.bytes for p in plans)  # exact: every process plans alike
 
 
 def _choosable(eq: EquationPlan) -> bool:
