@@ -287,7 +287,7 @@ def _reseat(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh, pi
         saved = sum(plan_redistribute(env[o], w.placements).cost for o, w in zip(eq.outs, want) if w is not None)
         choice = select(eq.eqn.primitive, eq.eqn.params, specs, [o.aval for o in eq.eqn.outvars], consts=eq.consts,
                         mesh=mesh, want=want)
-        free = all(s == t or not plan_redistribute(s, t.placements).collectives for s, t in zip(specs, choice.ins))
+        free = not _communicating(specs, choice.ins)
         if choice.outs != eq.choice.outs and free and choice.cost <= eq.choice.cost + saved + 1e-9:
             eq.choice = choice
             for o, spec in zip(eq.outs, choice.outs):
@@ -300,7 +300,8 @@ def _look_ahead(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh
     its consumers. Here every equation that moves an input with a collective weighs its next strategies (other
     output specs) by their effect on the whole program: the change ripples forwards, each consumer re-chosen
     greedily for its new inputs, until the specs are those of the current plan again, and it is kept where the
-    program's moves (a value moved to one spec for several consumers counted once) cost less in all.
+    program's moves (a value moved to one spec for several consumers counted once) cost less in all and send no
+    more bytes.
     (Sequence parallelism's backward pass: gathering the gradient instead of the weight keeps the MLP's hidden
     dim sharded, where the greedy choice moved every GELU intermediate with an all-to-all.)"""
     users: dict = {}
@@ -314,7 +315,7 @@ def _look_ahead(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh
         if not _choosable(eq):
             continue
         specs = _operand_specs(eq, env, mesh)
-        if not any(plan_redistribute(s, t.placements).collectives for s, t in zip(specs, eq.choice.ins) if s != t):
+        if not _communicating(specs, eq.choice.ins):
             continue
         for alt in alternatives(eq.eqn.primitive, eq.eqn.params, specs, [o.aval for o in eq.eqn.outvars],
                                 consts=eq.consts, mesh=mesh):
@@ -392,6 +393,11 @@ def _moves_cost(equations, users, env, touched, choices, specs, mesh, pinned) ->
     except ValueError:  # no way there (a Partial of another kind)
         return math.inf, math.inf
     return math.fsum(p.cost for p in plans), sum(p.bytes for p in plans)  # exact: every process plans alike
+
+
+def _communicating(specs: list[Spec], targets) -> bool:
+    """Does moving values with ``specs`` to ``targets`` take a collective?"""
+    return any(plan_redistribute(s, t.placements).collectives for s, t in zip(specs, targets) if s != t)
 
 
 def _choosable(eq: EquationPlan) -> bool:
