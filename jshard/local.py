@@ -38,7 +38,36 @@ class PerDevice:
     def __call__(self):
         if not self.axes:
             return self.values
-        return jnp.asarray(self.values)[tuple(lax.axis_index(self.names[a]) for a in self.axes)]
+        coords = [lax.axis_index(self.names[a]) for a in self.axes]
+        affine = self._affine()
+        if affine is not None:  # offsets of even blocks: arithmetic on the coordinates, no table in the program
+            base, steps = affine
+            out = jnp.asarray(base)
+            for c, step in zip(coords, steps):
+                out = out + jnp.asarray(step) * c.astype(out.dtype)
+            return out
+        # one dynamic index into the flattened table: coordinates are never negative, so no wrap-around code
+        sizes = self.values.shape[:len(self.axes)]
+        flat = coords[0]
+        for c, size in zip(coords[1:], sizes[1:]):
+            flat = flat * size + c
+        table = jnp.asarray(self.values.reshape((-1,) + self.values.shape[len(self.axes):]))
+        return lax.dynamic_index_in_dim(table, flat, 0, keepdims=False)
+
+    def _affine(self) -> tuple[np.ndarray, list[np.ndarray]] | None:
+        """``(base, steps)`` with ``values = base + sum(step * coordinate)``, for int tables within int32; else None."""
+        v = self.values
+        if v.dtype.kind != "i":
+            return None
+        k = len(self.axes)
+        base = v[(0,) * k].astype(np.int64)
+        steps = [v[tuple(1 if b == a else 0 for b in range(k))].astype(np.int64) - base for a in range(k)]
+        grid = np.indices(v.shape[:k]).reshape((k,) + v.shape[:k] + (1,) * (v.ndim - k))
+        if not np.array_equal(base + sum(s * g for s, g in zip(steps, grid)), v):
+            return None
+        if max(np.abs(base).max(initial=0), *(np.abs(s).max(initial=0) * 2**16 for s in steps)) >= 2**31:
+            return None
+        return base.astype(v.dtype), [s.astype(v.dtype) for s in steps]
 
 
 def global_index(spec: Spec, dim: int):
