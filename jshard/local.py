@@ -52,7 +52,7 @@ class PerDevice:
         for c, size in zip(coords[1:], sizes[1:]):
             flat = flat * size + c
         table = jnp.asarray(self.values.reshape((-1,) + self.values.shape[len(self.axes):]))
-        return lax.dynamic_index_in_dim(table, flat, 0, keepdims=False)
+        return lax.dynamic_slice_in_dim(table, flat, 1, allow_negative_indices=False)[0]
 
     def _affine(self) -> tuple[np.ndarray, list[np.ndarray]] | None:
         """``(base, steps)`` with ``values = base + sum(step * coordinate)``, for int tables within int32; else None."""

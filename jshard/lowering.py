@@ -172,7 +172,9 @@ class _Select:
         if self.slice:
             if not self.rows.axes:
                 return lax.slice_in_dim(x, int(row[0]), int(row[0]) + self.m, axis=self.dim)
-            return lax.dynamic_slice_in_dim(x, row[0].astype(jnp.int32), self.m, axis=self.dim)
+            # starts are never negative: no wrap-around code per slice
+            return lax.dynamic_slice_in_dim(x, row[0].astype(jnp.int32), self.m, axis=self.dim,
+                                            allow_negative_indices=False)
         return jnp.take(x, jnp.asarray(row, dtype=jnp.int32), axis=self.dim, mode="clip")
 
 
