@@ -103,7 +103,10 @@ def plan(style: str, dp: str = "dp", tp: str = "tp") -> tuple[dict, tuple]:
     row = RowwiseParallel(tp, output=Shard(1) if sp else RowwiseParallel.output)
     styles = {"blocks/*/q": ColwiseParallel(tp), "blocks/*/k": ColwiseParallel(tp), "blocks/*/v": ColwiseParallel(tp),
               "blocks/*/up": ColwiseParallel(tp), "blocks/*/o": row, "blocks/*/down": row,
-              "head": ColwiseParallel(tp)}
+              "head": ColwiseParallel(tp),
+              # the vocabulary-parallel embedding (torchtitan's and Megatron's): the table, the largest parameter
+              # of a small GPT, is split on tp; each device looks up the ids it owns and one reduction joins them
+              "tok": row}
     if sp:
         styles.update({"blocks/*/ln1": SequenceParallel(tp), "blocks/*/ln2": SequenceParallel(tp),
                        "ln": SequenceParallel(tp)})

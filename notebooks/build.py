@@ -263,8 +263,9 @@ assert whole_mb > BUDGET_MB'''),
     ("md", "## Built sharded, trained under FSDP x TP\n"
            "`parallelize` runs the constructor inside one sharded program: each device draws only its blocks. "
            "Megatron's tensor-parallel styles cut the layers over `tp`; `FullyShard(\"dp\")` cuts every "
-           "parameter over `dp` as well, inside the tensor-parallel blocks (the embeddings, which no "
-           "tensor-parallel style takes, over `dp` alone)."),
+           "parameter over `dp` as well, inside the tensor-parallel blocks. The token embedding is "
+           "vocabulary-parallel (its rows split over `tp`); the position embedding, which no tensor-parallel "
+           "style takes, is split over `dp` alone."),
     ("code", '''tp_styles, _ = plan("tp")
 plans = {"FSDP2 x TP4": (mesh, tp_styles, (FullyShard("dp"),))}
 step = TrainStep(parallelize(make, mesh, tp_styles, default=(FullyShard("dp"),)), tx, loss_fn)
