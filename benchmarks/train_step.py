@@ -3,10 +3,8 @@
 On 8 devices (emulated on CPU when fewer) for DP2 x TP4 (Megatron plan) and FSDP over 8: the steady-state
 step time of each (interleaved rounds, median ratio; target jshard / jax.jit <= 1.10), the collectives per
 step in each compiled program (target: jshard's <= GSPMD's), the first call of each (fresh programs, caches
-emptied, alternating which side goes first; median of ``--first-calls``), the work XLA's threads do in a
-step (``xla_work``: compute and collective time, profiled; where cores are fewer than devices, wall time mostly
-measures how the devices' threads shared them), and the loss curves (they must agree). Prints a table and writes
-JSON.
+emptied, alternating which side goes first; median of ``--first-calls``), and the loss curves
+(they must agree). Prints a table and writes JSON.
 
     python benchmarks/train_step.py [--layers 2] [--steps 10] [--rounds 10] [--size toy|compute|large]
                                     [--setups tp4,sp] [--out benchmarks/results/train_step.json]
@@ -28,7 +26,6 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from redistribute import hlo_traffic  # noqa: E402
-from xla_work import xla_work  # noqa: E402
 
 import jshard  # noqa: E402
 from jshard import Replicate, Shard  # noqa: E402
@@ -59,7 +56,7 @@ def traffic(compiled) -> dict:
             "temp_plus_args_bytes": int(m.temp_size_in_bytes + m.argument_size_in_bytes)}
 
 
-def run(name: str, layers: int, steps: int, rounds: int, first_calls: int, work_calls: int) -> dict:
+def run(name: str, layers: int, steps: int, rounds: int, first_calls: int) -> dict:
     shape, names, style, fsdp = SETUPS[name]
     n = int(np.prod(shape))
     devices = jax.devices() if len(jax.devices()) >= n else jax.devices("cpu")
@@ -142,19 +139,6 @@ def run(name: str, layers: int, steps: int, rounds: int, first_calls: int, work_
         jax.block_until_ready(loss)
         times["jax.jit"].append((time.perf_counter() - t0) / steps * 1e3)
     ratios = sorted(a / b for a, b in zip(times["jshard"], times["jax.jit"]))
-
-    # the work XLA's threads do in one step (profiled; on few cores wall time mostly measures scheduling)
-    def theirs_step():
-        nonlocal params, opt_state
-        params, opt_state, loss = jstep(params, opt_state, *jbatches[0])
-        jax.block_until_ready(loss)
-
-    work = {"jshard": [], "jax.jit": []}
-    for _ in range(work_calls):
-        work["jshard"].append(xla_work(lambda: jax.block_until_ready(step(*dbatches[0]).block)))
-        work["jax.jit"].append(xla_work(theirs_step))
-    busy = {side: statistics.median(w["compute_ms"] + w["collective_ms"] for w in ws) if ws else float("nan")
-            for side, ws in work.items()}
     return dict(setup=name, layers=layers, jshard_step_ms=round(statistics.median(times["jshard"]), 2),
                 jax_step_ms=round(statistics.median(times["jax.jit"]), 2),
                 ratio=round(statistics.median(ratios), 3), ratio_min=round(ratios[0], 3),
@@ -165,10 +149,7 @@ def run(name: str, layers: int, steps: int, rounds: int, first_calls: int, work_
                 first_call_ratio_min=round(first_ratios[0], 3), first_call_ratio_max=round(first_ratios[-1], 3),
                 loss_max_rel_diff=float(max(abs(a - b) / abs(b) for a, b in zip(ours, theirs))),
                 losses_agree=curve_ratio(ours, theirs, n_per_step=summed_terms(VOCAB, DIM, layers, SEQ, BATCH)) <= 1,
-                first_loss=ours[0], last_loss=ours[-1],
-                jshard_xla_work=work["jshard"], jax_xla_work=work["jax.jit"],
-                xla_work_ms={side: round(v, 1) for side, v in busy.items()},
-                xla_work_ratio=round(busy["jshard"] / busy["jax.jit"], 3))
+                first_loss=ours[0], last_loss=ours[-1])
 
 
 def main():
@@ -178,19 +159,18 @@ def main():
     ap.add_argument("--out", default="benchmarks/results/train_step.json")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--first-calls", type=int, default=3, help="first calls timed per side (fresh programs)")
-    ap.add_argument("--work-calls", type=int, default=2, help="steps profiled per side for XLA's work")
     ap.add_argument("--size", choices=list(SIZES), default="toy")
     ap.add_argument("--setups", default="", help=f"comma-separated, of {', '.join(SETUPS)} (default: all)")
     args = ap.parse_args()
     global VOCAB, DIM, HEADS, SEQ, BATCH
     VOCAB, DIM, HEADS, SEQ, BATCH = SIZES[args.size]
     names = args.setups.split(",") if args.setups else list(SETUPS)
-    rows = [run(name, args.layers, args.steps, args.rounds, args.first_calls, args.work_calls) for name in names]
+    rows = [run(name, args.layers, args.steps, args.rounds, args.first_calls) for name in names]
     print(f"GPT: vocab {VOCAB}, width {DIM}, {HEADS} heads, sequence {SEQ}, batch {BATCH}, {args.layers} layers; "
           f"{args.steps} steps per round, {args.rounds} interleaved rounds\n")
     print(f"{'setup':<10} {'step ms jshard':>15} {'jax.jit':>8} {'ratio med (min-max)':>20} {'collectives':>12} "
           f"{'GSPMD':>6} {'recv KB/dev':>12} {'GSPMD':>8} {'temp+args MB':>13} {'GSPMD':>7} {'first s':>8} "
-          f"{'jax.jit':>8} {'ratio (min-max)':>16} {'XLA work ms':>12} {'jax.jit':>8} {'ratio':>6} {'losses':>7}")
+          f"{'jax.jit':>8} {'ratio (min-max)':>16} {'losses':>7}")
     for r in rows:
         a, b = r["jshard"], r["jax"]
         print(f"{r['setup']:<10} {r['jshard_step_ms']:>15.1f} {r['jax_step_ms']:>8.1f} "
@@ -200,7 +180,6 @@ def main():
               f"{a['temp_plus_args_bytes'] / 2**20:>13.1f} {b['temp_plus_args_bytes'] / 2**20:>7.1f} "
               f"{r['jshard_first_call_s']:>8.2f} {r['jax_first_call_s']:>8.2f} "
               f"{r['first_call_ratio']:>5.2f} ({r['first_call_ratio_min']:.2f}-{r['first_call_ratio_max']:.2f}) "
-              f"{r['xla_work_ms']['jshard']:>12.1f} {r['xla_work_ms']['jax.jit']:>8.1f} {r['xla_work_ratio']:>6.2f} "
               f"{'agree' if r['losses_agree'] else 'DIFFER':>7}")
     print("\ntargets: ratio <= 1.00, collectives and received bytes <= GSPMD's, temp+args <= GSPMD's, first call "
           "<= 1.2x")
