@@ -162,6 +162,9 @@ def main():
     ap.add_argument("--size", choices=list(SIZES), default="toy")
     ap.add_argument("--setups", default="", help=f"comma-separated, of {', '.join(SETUPS)} (default: all)")
     args = ap.parse_args()
+    if not 2 <= args.first_calls <= args.steps:
+        ap.error(f"--first-calls must be at least 2 (the side that goes first alternates, so the process's warm-up "
+                 f"lands on both) and at most --steps ({args.steps}); got {args.first_calls}")
     global VOCAB, DIM, HEADS, SEQ, BATCH
     VOCAB, DIM, HEADS, SEQ, BATCH = SIZES[args.size]
     names = args.setups.split(",") if args.setups else list(SETUPS)
