@@ -1,10 +1,12 @@
 """A Flax GPT training step: ``jshard`` (TrainStep) against plain ``jax.jit`` with the same NamedShardings.
 
-On 8 devices (emulated on CPU when fewer) for DP2 x TP4 (Megatron plan) and FSDP over 8: the steady-state
-step time of each (interleaved rounds, median ratio; target jshard / jax.jit <= 1.10), the collectives per
-step in each compiled program (target: jshard's <= GSPMD's), the first call of each (fresh programs, caches
-emptied, alternating which side goes first; median of ``--first-calls``), and the loss curves
-(they must agree). Prints a table and writes JSON.
+On 8 devices (emulated on CPU when fewer), for TP4, DP2 x TP4 and FSDP2 x TP4 (Megatron's plan, with FullyShard
+on dp for the latter), FSDP over 8 and sequence parallelism: the steady-state step time of each (interleaved
+rounds, median ratio and its range; target jshard / jax.jit <= 1.00), the process's CPU time per step (all
+threads, spinning included: a second view where emulated devices outnumber cores), the collectives, bytes
+received and memory of each compiled program (target: jshard's <= GSPMD's), the first call of each (fresh
+programs, caches emptied, alternating which side goes first; median of ``--first-calls``; target <= 1.2x), and
+the loss curves (they must agree). Prints a table and writes JSON.
 
     python benchmarks/train_step.py [--layers 2] [--steps 10] [--rounds 10] [--size toy|compute|large]
                                     [--setups tp4,sp] [--out benchmarks/results/train_step.json]
@@ -125,23 +127,36 @@ def run(name: str, layers: int, steps: int, rounds: int, first_calls: int) -> di
         params, opt_state, loss = jstep(params, opt_state, *jbatches[i])
         theirs.append(float(loss))
 
-    # steady state: interleaved rounds of `steps` steps each, blocking at the end of a round
+    # steady state: interleaved rounds of `steps` steps each, blocking at the end of a round; wall and CPU time
     times = {"jshard": [], "jax.jit": []}
-    for _ in range(rounds):
-        t0 = time.perf_counter()
+    cpu = {"jshard": [], "jax.jit": []}
+
+    def ours_round():
         for b in dbatches:
             loss = step(*b)
         jax.block_until_ready(loss.block)
-        times["jshard"].append((time.perf_counter() - t0) / steps * 1e3)
-        t0 = time.perf_counter()
+
+    def theirs_round():
+        nonlocal params, opt_state
         for b in jbatches:
             params, opt_state, loss = jstep(params, opt_state, *b)
         jax.block_until_ready(loss)
-        times["jax.jit"].append((time.perf_counter() - t0) / steps * 1e3)
+
+    for _ in range(rounds):
+        for side, round_ in (("jshard", ours_round), ("jax.jit", theirs_round)):
+            t0, c0 = time.perf_counter(), time.process_time()
+            round_()
+            times[side].append((time.perf_counter() - t0) / steps * 1e3)
+            cpu[side].append((time.process_time() - c0) / steps * 1e3)
     ratios = sorted(a / b for a, b in zip(times["jshard"], times["jax.jit"]))
+    cpu_ratios = sorted(a / b for a, b in zip(cpu["jshard"], cpu["jax.jit"]))
     return dict(setup=name, layers=layers, jshard_step_ms=round(statistics.median(times["jshard"]), 2),
                 jax_step_ms=round(statistics.median(times["jax.jit"]), 2),
                 ratio=round(statistics.median(ratios), 3), ratio_min=round(ratios[0], 3),
+                jshard_cpu_ms=round(statistics.median(cpu["jshard"]), 2),
+                jax_cpu_ms=round(statistics.median(cpu["jax.jit"]), 2),
+                cpu_ratio=round(statistics.median(cpu_ratios), 3), cpu_ratio_min=round(cpu_ratios[0], 3),
+                cpu_ratio_max=round(cpu_ratios[-1], 3),
                 ratio_max=round(ratios[-1], 3), jshard=ours_hlo, jax=theirs_hlo,
                 jshard_first_call_s=round(statistics.median(t_ours_first), 2),
                 jax_first_call_s=round(statistics.median(t_theirs_first), 2),
@@ -173,7 +188,7 @@ def main():
           f"{args.steps} steps per round, {args.rounds} interleaved rounds\n")
     print(f"{'setup':<10} {'step ms jshard':>15} {'jax.jit':>8} {'ratio med (min-max)':>20} {'collectives':>12} "
           f"{'GSPMD':>6} {'recv KB/dev':>12} {'GSPMD':>8} {'temp+args MB':>13} {'GSPMD':>7} {'first s':>8} "
-          f"{'jax.jit':>8} {'ratio (min-max)':>16} {'losses':>7}")
+          f"{'jax.jit':>8} {'ratio (min-max)':>16} {'CPU ratio (min-max)':>20} {'losses':>7}")
     for r in rows:
         a, b = r["jshard"], r["jax"]
         print(f"{r['setup']:<10} {r['jshard_step_ms']:>15.1f} {r['jax_step_ms']:>8.1f} "
@@ -183,6 +198,7 @@ def main():
               f"{a['temp_plus_args_bytes'] / 2**20:>13.1f} {b['temp_plus_args_bytes'] / 2**20:>7.1f} "
               f"{r['jshard_first_call_s']:>8.2f} {r['jax_first_call_s']:>8.2f} "
               f"{r['first_call_ratio']:>5.2f} ({r['first_call_ratio_min']:.2f}-{r['first_call_ratio_max']:.2f}) "
+              f"{r['cpu_ratio']:>9.2f} ({r['cpu_ratio_min']:.2f}-{r['cpu_ratio_max']:.2f}) "
               f"{'agree' if r['losses_agree'] else 'DIFFER':>7}")
     print("\ntargets: ratio <= 1.00, collectives and received bytes <= GSPMD's, temp+args <= GSPMD's, first call "
           "<= 1.2x")
