@@ -65,8 +65,9 @@ class PerDevice:
         grid = np.indices(v.shape[:k]).reshape((k,) + v.shape[:k] + (1,) * (v.ndim - k))
         if not np.array_equal(base + sum(s * g for s, g in zip(steps, grid)), v):
             return None
-        if max(np.abs(base).max(initial=0), *(np.abs(s).max(initial=0) * 2**16 for s in steps)) >= 2**31:
-            return None
+        sizes = v.shape[:k]
+        if (np.abs(base) + sum(np.abs(s) * (n - 1) for s, n in zip(steps, sizes))).max(initial=0) >= 2**31:
+            return None  # a partial sum could leave int32
         return base.astype(v.dtype), [s.astype(v.dtype) for s in steps]
 
 
