@@ -9,7 +9,7 @@ programs, caches emptied, alternating which side goes first; median of ``--first
 the loss curves (they must agree). Prints a table and writes JSON.
 
     python benchmarks/train_step.py [--layers 2] [--steps 10] [--rounds 10] [--size toy|compute|large]
-                                    [--setups tp4,sp] [--out benchmarks/results/train_step.json]
+                                    [--first-calls 3] [--setups tp4,sp] [--out benchmarks/results/train_step.json]
 """
 
 from __future__ import annotations

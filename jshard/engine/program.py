@@ -120,7 +120,7 @@ class Program:
         in_specs = [d.spec for d in traced.lifted] + list(specs)
         self._bounded = mesh.devices.flat[0].platform == "cpu" and communicates(traced.plan, traced.pins)
         self._in_flight: collections.deque = collections.deque()
-        self._compiled = False  # the first call traces the body and compiles it (see paused_collector)
+        self._compiled = False  # the first call traces the body and compiles it (see _paused_collector)
 
         def body(*blocks):
             results = run(*[local_of(b, s) for b, s in zip(blocks, in_specs)])
@@ -134,7 +134,7 @@ class Program:
 
     def lower(self, blocks: list) -> Any:
         """The lowered ``jax.jit`` program for input ``blocks`` (``.as_text()``, ``.compile()``)."""
-        with paused_collector():
+        with _paused_collector():
             return self.jitted.lower(*self._lifted, *blocks)
 
     def run(self, blocks: list) -> list:
@@ -154,7 +154,7 @@ class Program:
         if self._compiled:
             out = self.jitted(*self._lifted, *blocks)
         else:
-            with paused_collector():
+            with _paused_collector():
                 out = self.jitted(*self._lifted, *blocks)
             self._compiled = True
         if self._bounded:
@@ -188,13 +188,13 @@ def compile_program(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, pins: 
                     where: Callable[[int], str] = str) -> Program:
     """``trace`` and compile: the ``Program`` of ``fn`` for inputs with ``specs``; ``name`` and ``where(leaf)``
     (the user's name for an input leaf) make a call's errors name the function and the argument."""
-    with paused_collector():
+    with _paused_collector():
         return Program(trace(fn, treedef, specs, mesh, pins, weak, name), specs, mesh, donated, name=name,
                        where=where)
 
 
 @contextlib.contextmanager
-def paused_collector():
+def _paused_collector():
     """Python's cyclic garbage collector, paused while a program is traced, planned and compiled.
 
     These make some 10^5 short-lived objects, and each time enough pile up the collector walks the whole live
