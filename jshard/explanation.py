@@ -2,14 +2,17 @@
 
 One row per equation of the plan, loop and branch bodies listed under their loop or branch once each (as
 they appear in the compiled program), output pins and result moves last; totals per collective kind. It is
-read from the same plan the program is compiled from, so it lists exactly the program's collectives.
+read from the same plan the program is compiled from, so it lists exactly the program's collectives; moves
+that share one (reduce-scatters made together, ``jshard.lowering.local_programs``) are marked, and the totals
+count the shared collective once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .engine import JaxprPlan, Traced, out_moves
+from .engine import JaxprPlan, Traced, moved_together, out_moves
+from .lowering import shared_collectives
 from .placements import format_placements
 from .planner import Plan
 from .spec import dtype_short, format_mesh
@@ -21,8 +24,9 @@ __all__ = ["Explanation", "explanation"]
 class Explanation:
     """What ``jshard.jit`` does with a function: one row per equation (primitive, the user's source line,
     the specs its inputs run with, its output specs, the redistributions of its inputs as
-    ``(input, kind, mesh axes, bytes per device)``), the output pins, and totals per collective kind
-    (``{kind: (count, bytes)}``). ``str()`` prints it as a table."""
+    ``(input, kind, mesh axes, bytes per device)``; ``shared``: per move, whether it shares its collective with
+    other moves made at the same point), the output pins, and totals per collective kind (``{kind: (count,
+    bytes)}``, a shared collective counted once). ``str()`` prints it as a table."""
 
     rows: list[dict]
     totals: dict
@@ -36,8 +40,9 @@ class Explanation:
         for n, r in enumerate(self.rows):
             lines.append(f"{n:>4}  {r['primitive']:<28} {r['source']}")
             lines.append(f"      {', '.join(map(brief, r['ins']))} -> {', '.join(map(brief, r['outs']))}")
-            for i, kind, axes, nbytes in r["moves"]:
-                lines.append(f"      in{i}: {kind} over ({', '.join(axes)})  {nbytes:,} B per device")
+            for (i, kind, axes, nbytes), shared in zip(r["moves"], r["shared"]):
+                lines.append(f"      in{i}: {kind} over ({', '.join(axes)})  {nbytes:,} B per device"
+                             + ("  (one collective with other moves)" if shared else ""))
         lines.append("totals: " + (", ".join(f"{k} x{c} ({b:,} B)" for k, (c, b) in sorted(self.totals.items()))
                                    or "no collectives"))
         return "\n".join(lines)
@@ -46,26 +51,40 @@ class Explanation:
 def explanation(traced: Traced) -> Explanation:
     """The ``Explanation`` of a traced function."""
     rows, totals = [], {}
+    shared = set()  # (id of a plan, step index) of the steps that share a collective with others
 
     def moves_of(i, move):
-        out = []
-        for step in move.collectives if isinstance(move, Plan) else ():  # a reused move costs nothing
-            out.append((i, step.emitted, tuple(step.axes), int(step.bytes)))
-            c, b = totals.get(step.emitted, (0, 0))
-            totals[step.emitted] = (c + step.count, b + int(step.bytes))
-        return out
+        out, marks = [], []
+        for k, step in enumerate(move.steps if isinstance(move, Plan) else ()):  # a reused move costs nothing
+            if step.is_collective:
+                out.append((i, step.emitted, tuple(step.axes), int(step.bytes)))
+                marks.append((id(move), k) in shared)
+                c, b = totals.get(step.emitted, (0, 0))
+                totals[step.emitted] = (c + step.count, b + int(step.bytes))
+        return out, marks
 
     def walk(plan: JaxprPlan, pins: list, where: str):
+        for group in moved_together(plan, pins):
+            for pairs in shared_collectives(group):
+                shared.update((id(group[i]), k) for i, k in pairs)
+                kind = group[pairs[0][0]].steps[pairs[0][1]].emitted
+                c, b = totals.get(kind, (0, 0))
+                totals[kind] = (c - (len(pairs) - 1), b)
         for eq in plan.equations:
-            moves = [m for i, op in enumerate(eq.operands) for m in moves_of(i, op.move)]
+            moves, marks = [], []
+            for i, op in enumerate(eq.operands):
+                m, s = moves_of(i, op.move)
+                moves += m
+                marks += s
             rows.append(dict(primitive=where + eq.eqn.primitive.name, source=eq.source,
-                             ins=list(eq.choice.ins), outs=list(eq.choice.outs), moves=moves))
+                             ins=list(eq.choice.ins), outs=list(eq.choice.outs), moves=moves, shared=marks))
             for label, body, body_pins in eq.bodies:
                 walk(body, body_pins, f"{where}{eq.eqn.primitive.name} {label} | ")
         for j, move in enumerate(out_moves(plan, pins)):
             if move is not None and move.collectives:
+                moves, marks = moves_of(0, move)
                 rows.append(dict(primitive=where + ("(output pin)" if not where else "(result move)"),
-                                 source=f"output {j}", ins=[move.src], outs=[move.dst], moves=moves_of(0, move)))
+                                 source=f"output {j}", ins=[move.src], outs=[move.dst], moves=moves, shared=marks))
 
     walk(traced.plan, traced.pins, "")
     return Explanation(rows, totals)

@@ -18,7 +18,8 @@ Reductions follow single-device semantics: a NaN in any part of a ``Partial(max|
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,12 @@ from .local import PerDevice, reduce_identity
 from .planner import Plan, Step
 from .spec import Spec, block_of, block_sharding, local_of
 
-__all__ = ["compile_plan", "local_program", "ordered_reduce", "reduce_identity"]
+__all__ = ["BUCKET_BYTES", "compile_plan", "local_program", "local_programs", "ordered_reduce", "reduce_identity",
+           "shared_collectives"]
+
+# the most a device's buffer of reduce-scatters sharing one collective holds (XLA:GPU's combiners use a few tens of
+# MB too): bigger buckets save no latency, and every array in one waits for the last to be ready
+BUCKET_BYTES = 32 << 20
 
 
 @memo(4096)
@@ -60,14 +66,75 @@ def local_program(plan: Plan) -> Callable:
 
     Call it inside ``shard_map`` over all mesh axes (it uses collectives and ``axis_index``).
     """
-    steps = [_lower_step(plan.src.mesh, step, plan.src) for step in plan.steps]
+    run = local_programs([plan])
+    return lambda x: run([x])[0]
 
-    def run(x):
-        for fn in steps:
-            x = fn(x)
-        return x
+
+def local_programs(plans: Sequence[Plan]) -> Callable[[list], list]:
+    """The per-device function of independent ``plans`` run side by side: their padded blocks in, a list of
+    their targets' blocks out.
+
+    Sum reduce-scatters that the plans make at the same step, over the same mesh axes and of one dtype, share one
+    ``psum_scatter`` of a buffer holding them all (at most ``BUCKET_BYTES`` a device): one rendezvous of the
+    devices instead of one per array, as XLA's combiner does for all-reduces (it has none for reduce-scatters
+    on CPU). A training step's gradients, each reduce-scattered to its parameter's shard, go together so;
+    ``shared_collectives`` says which steps share.
+
+        >>> run = local_programs([plan_a, plan_b])   # inside shard_map
+        >>> a, b = run([block_a, block_b])
+    """
+    lowered = [[_lower_step(p.src.mesh, step, p.src) for step in p.steps] for p in plans]
+    buckets = _buckets(plans)
+
+    def run(blocks):
+        blocks = list(blocks)
+        for k, rounds in enumerate(buckets):
+            for bucket in rounds:
+                results = _scatter_together([lowered[i][k] for i in bucket], [blocks[i] for i in bucket])
+                for i, r in zip(bucket, results):
+                    blocks[i] = r
+            bucketed = {i for bucket in rounds for i in bucket}
+            for i, steps in enumerate(lowered):
+                if k < len(steps) and i not in bucketed:
+                    blocks[i] = steps[k](blocks[i])
+        return blocks
 
     return run
+
+
+def shared_collectives(plans: Sequence[Plan]) -> list[list[tuple[int, int]]]:
+    """The collectives that ``local_programs(plans)`` shares between plans: per shared one, its ``(plan index,
+    step index)`` pairs.
+
+        >>> shared_collectives([grad_a, grad_b])   # two reduce-scatters over dp, float32
+        [[(0, 0), (1, 0)]]
+    """
+    return [[(i, k) for i in bucket] for k, rounds in enumerate(_buckets(plans)) for bucket in rounds
+            if len(bucket) > 1]
+
+
+def _buckets(plans: Sequence[Plan]) -> list[list[list[int]]]:
+    """Per step index, the plans whose sum reduce-scatters at that step share a collective: grouped by axes
+    and dtype, in order, cut where a bucket would pass ``BUCKET_BYTES`` a device (a larger one goes alone)."""
+    out = []
+    for k in range(max((len(p.steps) for p in plans), default=0)):
+        groups: dict = {}
+        for i, p in enumerate(plans):
+            if k < len(p.steps) and p.steps[k].kind == "reduce_scatter" and p.steps[k].op == "sum":
+                groups.setdefault((p.steps[k].axes, np.dtype(p.src.dtype)), []).append(i)
+        rounds = []
+        for members in groups.values():
+            rounds.append([])
+            held = 0
+            for i in members:
+                size = int(plans[i].steps[k].bytes)
+                if rounds[-1] and held + size > BUCKET_BYTES:
+                    rounds.append([])
+                    held = 0
+                rounds[-1].append(i)
+                held += size
+        out.append(rounds)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -178,6 +245,38 @@ class _Select:
         return jnp.take(x, jnp.asarray(row, dtype=jnp.int32), axis=self.dim, mode="clip")
 
 
+class _ReduceScatter:
+    """A sum reduce-scatter step kept in its parts (re-index, collective, scale), so that several can share one
+    collective (``local_programs``)."""
+
+    def __init__(self, pre: _Select, axes: tuple[str, ...], dim: int, group: int, scale: Callable):
+        self.pre, self.axes, self.dim, self.group, self.scale = pre, axes, dim, group, scale
+
+    def __call__(self, x):
+        return self.scale(lax.psum_scatter(self.pre(x), self.axes, scatter_dimension=self.dim, tiled=True))
+
+
+def _scatter_together(steps: list[_ReduceScatter], blocks: list) -> list:
+    """``steps`` (one axes tuple, one dtype) on ``blocks`` with one ``psum_scatter``: each block's chunks, the
+    one for group member t in row t, side by side in a (group, total) buffer whose row t goes to member t."""
+    if len(steps) == 1:
+        return [steps[0](blocks[0])]
+    g = steps[0].group
+    rows, shapes = [], []
+    for step, x in zip(steps, blocks):
+        x, d = step.pre(x), step.dim
+        split = x.shape[:d] + (g, x.shape[d] // g) + x.shape[d + 1:]
+        rows.append(jnp.moveaxis(x.reshape(split), d, 0).reshape(g, -1))  # no copy where d is 0
+        shapes.append(split[:d] + split[d + 1:])
+    mine = lax.psum_scatter(jnp.concatenate(rows, axis=1), steps[0].axes, scatter_dimension=0, tiled=True)[0]
+    out, at = [], 0
+    for step, shape in zip(steps, shapes):
+        n = math.prod(shape)
+        out.append(step.scale(mine[at:at + n].reshape(shape)))
+        at += n
+    return out
+
+
 def _exchange(mesh, step: Step, spec: Spec) -> Callable:
     """Rounds of ppermute, each sending one sub-block per device (see ``jshard.exchange``)."""
     names = tuple(mesh.axis_names)
@@ -261,9 +360,9 @@ def _lower_step(mesh, step: Step, spec: Spec) -> Callable:
     if step.kind == "reduce_scatter":
         d = step.dim
         pre = _Select(_find(cur[d], _group_concat(tgt[d], axes), fill=None, what=what), cur[d].shape[-1], names, d)
-        if step.op == "sum":
-            return lambda x: scale(lax.psum_scatter(pre(x), step.axes, scatter_dimension=d, tiled=True))
         group = int(np.prod([mesh.devices.shape[a] for a in axes]))
+        if step.op == "sum":  # _buckets relies on this: every sum reduce-scatter can share a collective
+            return _ReduceScatter(pre, step.axes, d, group, scale)
         reduce = jnp.max if step.op == "max" else jnp.min  # NaN wins, as in ordered_reduce
 
         def scatter_extreme(x):  # psum_scatter sums only: each device's chunk from every device, then reduced

@@ -154,7 +154,8 @@ def test_data_parallel_gradients_stay_partial_and_reduce_once_per_parameter_when
     assert lowered.as_text().count("stablehlo.all_reduce") == 2
     assert set(hlo_collectives(lowered.compile().as_text())) == {"all-reduce"}
     sharded = jshard.jit(grad, out_placements=((Shard(0),), (Shard(0),))).lower(params, x)
-    assert sharded.as_text().count("stablehlo.reduce_scatter") == 2 and "all_reduce" not in sharded.as_text()
+    # the outputs' moves, made together at the end, share one reduce-scatter
+    assert sharded.as_text().count("stablehlo.reduce_scatter") == 1 and "all_reduce" not in sharded.as_text()
 
 
 def test_constrain_pins_an_intermediate_and_is_transparent_to_gradients():
@@ -173,6 +174,35 @@ def test_constrain_pins_an_intermediate_and_is_transparent_to_gradients():
     for g, want in zip(jshard.jit(jax.grad(f, argnums=(0, 1)))(*args), jax.grad(f, argnums=(0, 1))(X, W)):
         assert_close(g.full(), want, n=12 + 8)
     assert_close(f(X, W), jax.jit(f)(X, W), n=12 + 64)  # outside jshard.jit: the identity
+
+
+def test_consecutive_constraints_move_together_in_order():
+    # constraints one after another (TrainStep's gradients) share one reduce-scatter; one constraining a value
+    # again, and one reading an earlier constraint's output, still get their own values
+    mesh = make_mesh((2, 4))
+    rng = np.random.default_rng(8)
+    X, W = rng.normal(size=(16, 12)).astype(np.float32), rng.normal(size=(12, 8)).astype(np.float32)
+
+    def f(x, w):
+        g1, g2 = x.T @ x, x.T @ (x @ w)  # Partial(sum) over dp: rows of x are split there
+        c1 = jshard.constrain(g1, [Shard(0), R])
+        c2 = jshard.constrain(g2, [Shard(1), R])
+        c3 = jshard.constrain(g2, [Shard(1), R])  # the same move again
+        c4 = jshard.constrain(c1, [R, Shard(1)])  # reads c1: after the others
+        return c1, c2, c3, c4
+
+    args = [jshard.distribute(X, mesh, (Shard(0), R)), jshard.distribute(W, mesh, (R, R))]
+    ex = jshard.explain(f, *args)
+    assert ex.totals["reduce_scatter"][0] == 1  # as in the program
+    assert [shared for r in ex.rows for shared in r["shared"]] == [True, True, False]  # c1, c2; then c4's gather
+    assert str(ex).count("one collective with other moves") == 2
+    outs = jshard.jit(f)(*args)
+    assert [o.placements for o in outs] == [(Shard(0), R), (Shard(1), R), (Shard(1), R), (R, Shard(1))]
+    A = np.abs(X)
+    terms = [A.T @ A, A.T @ (A @ np.abs(W))]
+    for o, want, t in zip(outs, jax.jit(f)(X, W), [terms[0], terms[1], terms[1], terms[0]]):
+        assert_close(o.full(), want, n=16 + 12, terms=t)
+    assert jshard.jit(f).lower(*args).as_text().count("stablehlo.reduce_scatter") == 1
 
 
 def test_an_optimization_barrier_keeps_each_operand_as_it_is():

@@ -2,6 +2,7 @@
 
 import itertools
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -9,9 +10,11 @@ from hypothesis import strategies as st
 
 import jshard
 from conftest import make_mesh
-from jshard import Partial, Replicate, Shard, StridedShard
-from jshard.lowering import compile_plan
+from jshard import Partial, Replicate, Shard, StridedShard, lowering
+from jshard.darray import DArray
+from jshard.lowering import compile_plan, local_programs
 from jshard.placements import normalize_placements
+from jshard.spec import block_of, block_sharding, local_of
 from oracle import assert_close, check_darray, hlo_collectives, local_blocks, placement_st, plan_collectives, valid
 
 
@@ -139,3 +142,55 @@ def test_a_nan_in_any_part_wins_a_max_scatter():
     want = np.max(parts, axis=0)
     np.testing.assert_array_equal(got, want)
     assert np.isnan(got[6, 1]) and got[0, 0] == 100.0
+
+
+# (shape, dtype, src, dst) moved side by side: even and uneven dims, dims 0 and 1, an avg, two steps, a strided
+# target, an int and a bf16 (each dtype its own collective), a max (an all_to_all, never bucketed)
+TOGETHER = [
+    ((16, 8), np.float32, (Partial(), Replicate()), (Shard(0), Replicate())),
+    ((12,), np.float32, (Partial(), Replicate()), (Shard(0), Replicate())),
+    ((5, 4), np.float32, (Partial(), Replicate()), (Shard(0), Replicate())),  # uneven: padded chunks
+    ((8, 12), np.float32, (Replicate(), Partial()), (Replicate(), Shard(1))),
+    ((8, 12), np.float32, (Partial("avg"), Replicate()), (Shard(1), Replicate())),
+    ((16, 8), np.float32, (Partial(), Partial()), (Shard(0), Shard(1))),  # two steps, both reduce-scatters
+    ((16, 4), np.float32, (Partial(), Shard(0)), (StridedShard(0, 4), Shard(0))),
+    ((8, 4), np.int32, (Partial(), Replicate()), (Shard(0), Replicate())),
+    ((8, 6), np.int32, (Partial(), Replicate()), (Shard(1), Replicate())),
+    ((8, 4), jax.numpy.bfloat16, (Partial(), Replicate()), (Shard(1), Replicate())),
+    ((8, 4), np.float32, (Partial("max"), Replicate()), (Shard(0), Replicate())),
+]
+
+
+@pytest.mark.parametrize("bucket_bytes", [None, 600], ids=["one-bucket", "small-buckets"])
+def test_reduce_scatters_made_together_share_collectives(bucket_bytes, monkeypatch):
+    """Independent moves run side by side: their sum reduce-scatters over one axes tuple and of one dtype are one
+    psum_scatter (cut into buckets of at most BUCKET_BYTES), and every result is what each move gives alone."""
+    if bucket_bytes is not None:
+        monkeypatch.setattr(lowering, "BUCKET_BYTES", bucket_bytes)
+    mesh = make_mesh((2, 4))
+    rng = np.random.default_rng(11)
+    values = [rng.integers(-30, 30, shape).astype(dtype) for shape, dtype, _, _ in TOGETHER]  # sums are exact
+    xs = [jshard.from_local(local_blocks(v, (2, 4), src, rng), mesh, src, shape=v.shape)
+          for v, (_, _, src, _) in zip(values, TOGETHER)]
+    plans = [jshard.plan_redistribute(x, dst) for x, (_, _, _, dst) in zip(xs, TOGETHER)]
+    run = local_programs(plans)
+
+    def body(*blocks):
+        return [block_of(b) for b in run([local_of(b, p.src) for b, p in zip(blocks, plans)])]
+
+    blocks = block_sharding(mesh)
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(blocks.spec,) * len(xs), out_specs=[blocks.spec] * len(xs),
+                               check_vma=False))
+    outs = fn(*[x.block for x in xs])
+    for x, out, p, v in zip(xs, outs, plans, values):
+        check_darray(DArray(out, p.dst), v)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(compile_plan(p)(x.block)))
+    text = fn.lower(*[x.block for x in xs]).as_text()
+    scatters = text.count("stablehlo.reduce_scatter")
+    alone = sum(plan_collectives(p)["reduce-scatter"] for p in plans)
+    assert alone == 11
+    if bucket_bytes is None:
+        # float32 over dp, float32 over tp, int32 over dp, bfloat16 over dp; then the two-step plan's second step
+        assert scatters == 5
+    else:  # the float32s over dp, 512 + 48, 80 + 384, 512 + 64 bytes a device, in three buckets
+        assert scatters == 7 < alone

@@ -13,13 +13,13 @@ from collections.abc import Callable
 import jax.numpy as jnp
 
 from ..jaxcompat import jc
-from ..lowering import local_program
+from ..lowering import local_program, local_programs
 from ..planner import Plan, plan_redistribute
 from ..rules.registry import has_rule, rule_for
 from .constrain import constrain_p
 from .walk import REUSED, JaxprPlan
 
-__all__ = ["communicates", "local_equation", "local_function", "out_moves"]
+__all__ = ["communicates", "local_equation", "local_function", "moved_together", "out_moves"]
 
 
 def local_equation(prim, params: dict, in_specs, out_specs) -> Callable:
@@ -60,24 +60,41 @@ def communicates(plan: JaxprPlan, pins: list) -> bool:
 
 def local_function(plan: JaxprPlan, pins: list | None = None) -> Callable:
     """The per-device function of ``plan``: local blocks of its inputs in, of its outputs out (moved to the
-    specs in ``pins`` where given)."""
-    finals = [local_program(m) if m is not None else None for m in out_moves(plan, pins or [None] * len(plan.outs))]
+    specs in ``pins`` where given).
+
+    Consecutive constraints (a training step's gradients pinned to their parameters' placements) move their
+    operands side by side, and so do the outputs moved to ``pins``: their reduce-scatters share collectives
+    (``jshard.lowering.local_programs``).
+    """
+    finals = out_moves(plan, pins or [None] * len(plan.outs))
+    finish = local_programs([m for m in finals if m is not None])
     kernels = [eq.kernel or ((lambda x: [x]) if eq.eqn.primitive is constrain_p else
                              local_equation(eq.eqn.primitive, eq.eqn.params, eq.choice.ins, eq.choice.outs))
                for eq in plan.equations]
-    moves = [[local_program(op.move) if isinstance(op.move, Plan) and op.move.steps else None for op in eq.operands]
-             for eq in plan.equations]
+    runs = _constraint_runs(plan.equations)
+    moves = [[local_program(op.move) if _moving(op) and len(runs[i]) == 1 else None for op in eq.operands]
+             for i, eq in enumerate(plan.equations)]
+    together = {run[0]: local_programs(_run_moves(plan, run)) for run in runs if len(run) > 1}
 
     def run(*blocks):
         vals = dict(zip(plan.in_vars, blocks))
         moved = {}
-        for eq, kernel, move in zip(plan.equations, kernels, moves):
+
+        def fetch(op):
+            return jnp.asarray(op.value) if op.literal else vals[op.value]
+
+        for i, (eq, kernel, move) in enumerate(zip(plan.equations, kernels, moves)):
+            if len(runs[i]) > 1:
+                if i != runs[i][0]:
+                    continue  # ran with its run's first constraint
+                _run_together([plan.equations[j] for j in runs[i]], together[i], vals, moved, fetch)
+                continue
             args = []
             for op, m, target in zip(eq.operands, move, eq.choice.ins):
                 if op.move is REUSED:
                     args.append(moved[(op.value, target)])
                     continue
-                a = jnp.asarray(op.value) if op.literal else vals[op.value]
+                a = fetch(op)
                 if m is not None:
                     a = m(a)
                     if not op.literal:
@@ -87,6 +104,54 @@ def local_function(plan: JaxprPlan, pins: list | None = None) -> Callable:
                 if o is not None:
                     vals[o] = r
         outs = [jnp.asarray(o.val, o.aval.dtype) if isinstance(o, jc.Literal) else vals[o] for o in plan.outs]
-        return [m(v) if m is not None else v for v, m in zip(outs, finals)]
+        moved_outs = iter(finish([v for v, m in zip(outs, finals) if m is not None]))
+        return [next(moved_outs) if m is not None else v for v, m in zip(outs, finals)]
 
     return run
+
+
+def moved_together(plan: JaxprPlan, pins: list) -> list[list[Plan]]:
+    """The moves ``local_function(plan, pins)`` runs side by side (``jshard.lowering.local_programs``): those of
+    each run of consecutive constraints, and those of the outputs to ``pins``."""
+    runs = sorted({run for run in _constraint_runs(plan.equations) if len(run) > 1})
+    return [_run_moves(plan, run) for run in runs] + [[m for m in out_moves(plan, pins) if m is not None]]
+
+
+def _run_moves(plan: JaxprPlan, run: tuple[int, ...]) -> list[Plan]:
+    return [plan.equations[i].operands[0].move for i in run if _moving(plan.equations[i].operands[0])]
+
+
+def _moving(op) -> bool:
+    return isinstance(op.move, Plan) and bool(op.move.steps)
+
+
+def _constraint_runs(equations: list) -> list[tuple[int, ...]]:
+    """Per equation, the indices of the run of consecutive constraints it belongs to (itself alone for any other
+    equation). A run ends where a constraint reads what an earlier one of the run made, so every operand of a
+    run is there before the run starts."""
+    groups: list[list[int]] = []
+    open_run, made = False, set()
+    for i, eq in enumerate(equations):
+        constraint = eq.eqn.primitive is constrain_p
+        if constraint and open_run and not any(not op.literal and op.value in made for op in eq.operands):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+            open_run, made = constraint, set()
+        made.update(o for o in eq.outs if o is not None)
+    return [tuple(g) for g in groups for _ in g]
+
+
+def _run_together(run: list, program: Callable, vals: dict, moved: dict, fetch: Callable) -> None:
+    """The constraints in ``run``: their operands' moves as one ``local_programs`` call, then their outputs."""
+    moving = [eq for eq in run if _moving(eq.operands[0])]
+    results = dict(zip(map(id, moving), program([fetch(eq.operands[0]) for eq in moving])))
+    for eq in moving:
+        if not eq.operands[0].literal:
+            moved[(eq.operands[0].value, eq.choice.ins[0])] = results[id(eq)]
+    for eq in run:
+        (op,), (target,) = eq.operands, eq.choice.ins
+        if id(eq) in results:
+            vals[eq.outs[0]] = results[id(eq)]
+        else:
+            vals[eq.outs[0]] = moved[(op.value, target)] if op.move is REUSED else fetch(op)
