@@ -18,7 +18,7 @@ from jax import lax
 
 from .spec import Spec
 
-__all__ = ["PerDevice", "fill_padding", "global_index", "reduce_identity", "valid_mask"]
+__all__ = ["PerDevice", "fill_padding", "global_index", "opaque_ints", "reduce_identity", "valid_mask"]
 
 
 class PerDevice:
@@ -69,6 +69,21 @@ class PerDevice:
         if (np.abs(base) + sum(np.abs(s) * (n - 1) for s, n in zip(steps, sizes))).max(initial=0) >= 2**31:
             return None  # a partial sum could leave int32
         return base.astype(v.dtype), [s.astype(v.dtype) for s in steps]
+
+
+def opaque_ints(values: Sequence[int], axis: str) -> list:
+    """``values`` as int32 scalars that XLA cannot fold into the kernels using them (call inside ``shard_map``;
+    ``axis``: any mesh axis).
+
+    XLA:CPU compiles each distinct kernel once, some 20 ms apiece, and a constant makes a kernel distinct: a
+    program cutting 70 arrays out of one buffer at 70 constant offsets compiles 70 kernels, while with opaque
+    offsets the arrays of one shape share a kernel. The values come out of one variadic reduction of
+    ``[value + zero, zero]`` pairs, ``zero`` being the device index shifted past its last bit, which XLA cannot
+    prove zero: one small kernel, and one buffer per value.
+    """
+    zero = (lax.axis_index(axis).astype(jnp.uint32) >> 31).astype(jnp.int32)
+    pairs = tuple(jnp.stack([jnp.int32(v) + zero, zero]) for v in values)
+    return list(lax.reduce(pairs, (jnp.int32(0),) * len(pairs), lambda a, b: tuple(map(jnp.add, a, b)), (0,)))
 
 
 def global_index(spec: Spec, dim: int):

@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .caches import memo
 from .exchange import exchange_schedule
-from .local import PerDevice, reduce_identity
+from .local import PerDevice, opaque_ints, reduce_identity
 from .planner import Plan, Step
 from .spec import Spec, block_of, block_sharding, local_of
 
@@ -269,12 +269,11 @@ def _scatter_together(steps: list[_ReduceScatter], blocks: list) -> list:
         rows.append(jnp.moveaxis(x.reshape(split), d, 0).reshape(g, -1))  # no copy where d is 0
         shapes.append(split[:d] + split[d + 1:])
     mine = lax.psum_scatter(jnp.concatenate(rows, axis=1), steps[0].axes, scatter_dimension=0, tiled=True)[0]
-    out, at = [], 0
-    for step, shape in zip(steps, shapes):
-        n = math.prod(shape)
-        out.append(step.scale(mine[at:at + n].reshape(shape)))
-        at += n
-    return out
+    sizes = [math.prod(shape) for shape in shapes]
+    # opaque offsets: each array's kernel is its shape's, not one per offset (XLA compiles each once)
+    offsets = opaque_ints(np.cumsum([0] + sizes[:-1]).tolist(), steps[0].axes[0])
+    return [step.scale(lax.dynamic_slice_in_dim(mine, at, n, allow_negative_indices=False).reshape(shape))
+            for step, shape, at, n in zip(steps, shapes, offsets, sizes)]
 
 
 def _exchange(mesh, step: Step, spec: Spec) -> Callable:

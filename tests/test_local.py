@@ -1,12 +1,15 @@
-"""``jshard.local.PerDevice``: every device reads its own row of a static table, inside ``shard_map``."""
+"""``jshard.local``: every device reads its own row of a static table (``PerDevice``), and opaque constants
+(``opaque_ints``), inside ``shard_map``."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from conftest import make_mesh
-from jshard.local import PerDevice
+from jshard.local import PerDevice, opaque_ints
 
 SHAPE = (2, 2, 2)
 NAMES = ("x", "y", "z")
@@ -49,3 +52,22 @@ def test_a_table_equal_on_every_device_is_a_constant():
     table = np.broadcast_to(np.array([4, 2], np.int32), SHAPE + (2,))
     per = PerDevice(table, NAMES)
     assert per.axes == () and per().tolist() == [4, 2]
+
+
+def test_opaque_offsets_stay_runtime_values():
+    # pieces cut out of one buffer at opaque offsets: right on every device, and XLA keeps each a dynamic slice
+    # (a folded offset would make it a static slice, and each piece's kernel its own)
+    mesh = make_mesh(SHAPE)
+    sizes = [3, 5, 5, 1, 5]
+    starts = np.cumsum([0] + sizes[:-1])
+
+    def cut(x):
+        offsets = opaque_ints(starts.tolist(), "y")
+        return [jax.lax.dynamic_slice_in_dim(x[0], o, n, allow_negative_indices=False)[None] * 2
+                for o, n in zip(offsets, sizes)]
+
+    fn = jax.jit(jax.shard_map(cut, mesh=mesh, in_specs=P(NAMES), out_specs=P(NAMES), check_vma=False))
+    x = jax.device_put(jnp.arange(8 * sum(sizes), dtype=jnp.float32).reshape(8, -1), NamedSharding(mesh, P(NAMES)))
+    for piece, start, n in zip(fn(x), starts, sizes):
+        np.testing.assert_array_equal(piece, 2 * np.asarray(x)[:, start:start + n])
+    assert fn.lower(x).compile().as_text().count("dynamic-slice(") == len(sizes)
