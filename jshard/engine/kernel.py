@@ -74,7 +74,7 @@ def local_function(plan: JaxprPlan, pins: list | None = None) -> Callable:
     runs = _constraint_runs(plan.equations)
     moves = [[local_program(op.move) if _moving(op) and len(runs[i]) == 1 else None for op in eq.operands]
              for i, eq in enumerate(plan.equations)]
-    together = {run[0]: local_programs(_run_moves(plan, run)) for run in runs if len(run) > 1}
+    together = {run[0]: local_programs(_run_moves(plan, run)) for run in set(runs) if len(run) > 1}
 
     def run(*blocks):
         vals = dict(zip(plan.in_vars, blocks))
