@@ -74,11 +74,12 @@ def local_programs(plans: Sequence[Plan]) -> Callable[[list], list]:
     """The per-device function of independent ``plans`` run side by side: their padded blocks in, a list of
     their targets' blocks out.
 
-    Sum reduce-scatters that the plans make at the same step, over the same mesh axes and of one dtype, share one
-    ``psum_scatter`` of a buffer holding them all (at most ``BUCKET_BYTES`` a device): one rendezvous of the
-    devices instead of one per array, as XLA's combiner does for all-reduces (it has none for reduce-scatters
-    on CPU). A training step's gradients, each reduce-scattered to its parameter's shard, go together so;
-    ``shared_collectives`` says which steps share.
+    Sum reduce-scatters (and all-gathers) that the plans make at the same step, over the same mesh axes and of
+    one dtype, share one ``psum_scatter`` (``all_gather``) of a buffer holding them all (at most ``BUCKET_BYTES``
+    a device): one rendezvous of the devices instead of one per array, as XLA's combiner does for all-reduces (it
+    has none for these on CPU). A training step's gradients, each reduce-scattered to its parameter's shard, go
+    together so, and so do the gathers of a module's sharded parameters; ``shared_collectives`` says which steps
+    share.
 
         >>> run = local_programs([plan_a, plan_b])   # inside shard_map
         >>> a, b = run([block_a, block_b])
@@ -90,7 +91,8 @@ def local_programs(plans: Sequence[Plan]) -> Callable[[list], list]:
         blocks = list(blocks)
         for k, rounds in enumerate(buckets):
             for bucket in rounds:
-                results = _scatter_together([lowered[i][k] for i in bucket], [blocks[i] for i in bucket])
+                step = lowered[bucket[0]][k]
+                results = step.together([lowered[i][k] for i in bucket], [blocks[i] for i in bucket])
                 for i, r in zip(bucket, results):
                     blocks[i] = r
             bucketed = {i for bucket in rounds for i in bucket}
@@ -114,14 +116,16 @@ def shared_collectives(plans: Sequence[Plan]) -> list[list[tuple[int, int]]]:
 
 
 def _buckets(plans: Sequence[Plan]) -> list[list[list[int]]]:
-    """Per step index, the plans whose sum reduce-scatters at that step share a collective: grouped by axes
-    and dtype, in order, cut where a bucket would pass ``BUCKET_BYTES`` a device (a larger one goes alone)."""
+    """Per step index, the plans whose sum reduce-scatters (all-gathers) at that step share a collective: grouped
+    by kind, axes and dtype, in order, cut where a bucket would pass ``BUCKET_BYTES`` a device (a larger one goes
+    alone)."""
     out = []
     for k in range(max((len(p.steps) for p in plans), default=0)):
         groups: dict = {}
         for i, p in enumerate(plans):
-            if k < len(p.steps) and p.steps[k].kind == "reduce_scatter" and p.steps[k].op == "sum":
-                groups.setdefault((p.steps[k].axes, np.dtype(p.src.dtype)), []).append(i)
+            step = p.steps[k] if k < len(p.steps) else None
+            if step is not None and (step.kind == "all_gather" or (step.kind == "reduce_scatter" and step.op == "sum")):
+                groups.setdefault((step.kind, step.axes, np.dtype(p.src.dtype)), []).append(i)
         rounds = []
         for members in groups.values():
             rounds.append([])
@@ -247,7 +251,7 @@ class _Select:
 
 class _ReduceScatter:
     """A sum reduce-scatter step kept in its parts (re-index, collective, scale), so that several can share one
-    collective (``local_programs``)."""
+    collective (``together``)."""
 
     def __init__(self, pre: _Select, axes: tuple[str, ...], dim: int, group: int, scale: Callable):
         self.pre, self.axes, self.dim, self.group, self.scale = pre, axes, dim, group, scale
@@ -255,25 +259,56 @@ class _ReduceScatter:
     def __call__(self, x):
         return self.scale(lax.psum_scatter(self.pre(x), self.axes, scatter_dimension=self.dim, tiled=True))
 
+    @staticmethod
+    def together(steps: list[_ReduceScatter], blocks: list) -> list:
+        """``steps`` (one axes tuple, one dtype) on ``blocks`` with one ``psum_scatter``: each block's chunks, the
+        one for group member t in row t, side by side in a (group, total) buffer whose row t goes to member t."""
+        if len(steps) == 1:
+            return [steps[0](blocks[0])]
+        g = steps[0].group
+        rows, shapes = [], []
+        for step, x in zip(steps, blocks):
+            x, d = step.pre(x), step.dim
+            split = x.shape[:d] + (g, x.shape[d] // g) + x.shape[d + 1:]
+            rows.append(jnp.moveaxis(x.reshape(split), d, 0).reshape(g, -1))  # no copy where d is 0
+            shapes.append(split[:d] + split[d + 1:])
+        mine = lax.psum_scatter(jnp.concatenate(rows, axis=1), steps[0].axes, scatter_dimension=0, tiled=True)[0]
+        pieces = _cut(mine, [math.prod(shape) for shape in shapes], steps[0].axes[0])
+        return [step.scale(piece.reshape(shape)) for step, piece, shape in zip(steps, pieces, shapes)]
 
-def _scatter_together(steps: list[_ReduceScatter], blocks: list) -> list:
-    """``steps`` (one axes tuple, one dtype) on ``blocks`` with one ``psum_scatter``: each block's chunks, the
-    one for group member t in row t, side by side in a (group, total) buffer whose row t goes to member t."""
-    if len(steps) == 1:
-        return [steps[0](blocks[0])]
-    g = steps[0].group
-    rows, shapes = [], []
-    for step, x in zip(steps, blocks):
-        x, d = step.pre(x), step.dim
-        split = x.shape[:d] + (g, x.shape[d] // g) + x.shape[d + 1:]
-        rows.append(jnp.moveaxis(x.reshape(split), d, 0).reshape(g, -1))  # no copy where d is 0
-        shapes.append(split[:d] + split[d + 1:])
-    mine = lax.psum_scatter(jnp.concatenate(rows, axis=1), steps[0].axes, scatter_dimension=0, tiled=True)[0]
-    sizes = [math.prod(shape) for shape in shapes]
-    # opaque offsets: each array's kernel is its shape's, not one per offset (XLA compiles each once)
-    offsets = opaque_ints(np.cumsum([0] + sizes[:-1]).tolist(), steps[0].axes[0])
-    return [step.scale(lax.dynamic_slice_in_dim(mine, at, n, allow_negative_indices=False).reshape(shape))
-            for step, shape, at, n in zip(steps, shapes, offsets, sizes)]
+
+class _AllGather:
+    """An all-gather step kept in its parts (collective, re-index), so that several can share one collective
+    (``together``)."""
+
+    def __init__(self, axes: tuple[str, ...], dim: int, group: int, select: _Select):
+        self.axes, self.dim, self.group, self.select = axes, dim, group, select
+
+    def __call__(self, x):
+        return self.select(lax.all_gather(x, self.axes, axis=self.dim, tiled=True))
+
+    @staticmethod
+    def together(steps: list[_AllGather], blocks: list) -> list:
+        """``steps`` (one axes tuple, one dtype) on ``blocks`` with one ``all_gather`` of their blocks laid end to
+        end: row t of the result is member t's, each block's part of it that member's block."""
+        if len(steps) == 1:
+            return [steps[0](blocks[0])]
+        g = steps[0].group
+        every = lax.all_gather(jnp.concatenate([x.reshape(-1) for x in blocks]), steps[0].axes, axis=0)
+        out = []
+        for step, x, piece in zip(steps, blocks, _cut(every, [x.size for x in blocks], steps[0].axes[0], axis=1)):
+            d = step.dim  # members' blocks side by side along d, in group order, as a tiled all_gather puts them
+            piece = jnp.moveaxis(piece.reshape((g,) + x.shape), 0, d)
+            out.append(step.select(piece.reshape(x.shape[:d] + (g * x.shape[d],) + x.shape[d + 1:])))
+        return out
+
+
+def _cut(buffer, sizes: list[int], axis_name: str, axis: int = 0) -> list:
+    """``buffer`` cut into consecutive pieces of ``sizes`` along ``axis``, at opaque offsets: each piece's kernel
+    is its shape's, not one per offset (XLA compiles each distinct kernel once)."""
+    offsets = opaque_ints(np.cumsum([0] + sizes[:-1]).tolist(), axis_name)
+    return [lax.dynamic_slice_in_dim(buffer, at, n, axis=axis, allow_negative_indices=False)
+            for at, n in zip(offsets, sizes)]
 
 
 def _exchange(mesh, step: Step, spec: Spec) -> Callable:
@@ -345,11 +380,12 @@ def _lower_step(mesh, step: Step, spec: Spec) -> Callable:
             return x
         return x // step.scale if jnp.issubdtype(dtype, jnp.integer) else x / jnp.asarray(step.scale, x.dtype)
 
-    if step.kind == "all_gather":
+    group = int(np.prod([mesh.devices.shape[a] for a in axes]))
+    if step.kind == "all_gather":  # _buckets relies on this: every all-gather can share a collective
         d = step.dim
         buf = _group_concat(cur[d], axes)
-        select = _Select(_find(buf, tgt[d], fill=None, what=what), buf.shape[-1], names, d)
-        return lambda x: select(lax.all_gather(x, step.axes, axis=d, tiled=True))
+        return _AllGather(step.axes, d, group, _Select(_find(buf, tgt[d], fill=None, what=what), buf.shape[-1],
+                                                       names, d))
 
     if step.kind == "all_reduce":
         if step.op == "sum":
@@ -359,7 +395,6 @@ def _lower_step(mesh, step: Step, spec: Spec) -> Callable:
     if step.kind == "reduce_scatter":
         d = step.dim
         pre = _Select(_find(cur[d], _group_concat(tgt[d], axes), fill=None, what=what), cur[d].shape[-1], names, d)
-        group = int(np.prod([mesh.devices.shape[a] for a in axes]))
         if step.op == "sum":  # _buckets relies on this: every sum reduce-scatter can share a collective
             return _ReduceScatter(pre, step.axes, d, group, scale)
         reduce = jnp.max if step.op == "max" else jnp.min  # NaN wins, as in ordered_reduce

@@ -1,5 +1,6 @@
 """Redistribution against the single-device oracle: every (src, dst) gives back the original value."""
 
+import collections
 import itertools
 
 import jax
@@ -158,13 +159,19 @@ TOGETHER = [
     ((8, 6), np.int32, (Partial(), Replicate()), (Shard(1), Replicate())),
     ((8, 4), jax.numpy.bfloat16, (Partial(), Replicate()), (Shard(1), Replicate())),
     ((8, 4), np.float32, (Partial("max"), Replicate()), (Shard(0), Replicate())),
+    ((16, 8), np.float32, (Shard(0), Replicate()), (Replicate(), Replicate())),  # and gathers
+    ((8, 12), np.float32, (Shard(1), Replicate()), (Replicate(), Replicate())),
+    ((5, 4), np.float32, (Shard(0), Replicate()), (Replicate(), Replicate())),  # uneven: padding dropped
+    ((16, 4), np.float32, (StridedShard(0, 4), Shard(0)), (Replicate(), Shard(0))),  # FSDP's gather under TP
+    ((12,), np.int32, (Shard(0), Replicate()), (Replicate(), Replicate())),
 ]
 
 
 @pytest.mark.parametrize("bucket_bytes", [None, 600], ids=["one-bucket", "small-buckets"])
-def test_reduce_scatters_made_together_share_collectives(bucket_bytes, monkeypatch):
-    """Independent moves run side by side: their sum reduce-scatters over one axes tuple and of one dtype are one
-    psum_scatter (cut into buckets of at most BUCKET_BYTES), and every result is what each move gives alone."""
+def test_moves_made_together_share_collectives(bucket_bytes, monkeypatch):
+    """Independent moves run side by side: their sum reduce-scatters (all-gathers) over one axes tuple and of one
+    dtype are one psum_scatter (all_gather), cut into buckets of at most BUCKET_BYTES, and every result is what
+    each move gives alone."""
     if bucket_bytes is not None:
         monkeypatch.setattr(lowering, "BUCKET_BYTES", bucket_bytes)
     mesh = make_mesh((2, 4))
@@ -186,11 +193,12 @@ def test_reduce_scatters_made_together_share_collectives(bucket_bytes, monkeypat
         check_darray(DArray(out, p.dst), v)
         np.testing.assert_array_equal(np.asarray(out), np.asarray(compile_plan(p)(x.block)))
     text = fn.lower(*[x.block for x in xs]).as_text()
-    scatters = text.count("stablehlo.reduce_scatter")
-    alone = sum(plan_collectives(p)["reduce-scatter"] for p in plans)
-    assert alone == 11
+    scatters, gathers = text.count("stablehlo.reduce_scatter"), text.count("stablehlo.all_gather")
+    alone = sum((plan_collectives(p) for p in plans), collections.Counter())
+    assert (alone["reduce-scatter"], alone["all-gather"]) == (11, 5)
+    assert gathers == 2  # float32 (528 bytes a device) and int32 over dp
     if bucket_bytes is None:
         # float32 over dp, float32 over tp, int32 over dp, bfloat16 over dp; then the two-step plan's second step
         assert scatters == 5
-    else:  # the float32s over dp, 512 + 48, 80 + 384, 512 + 64 bytes a device, in three buckets
-        assert scatters == 7 < alone
+    else:  # the float32s over dp, 512 + 48, 96 + 384, 512 + 64 bytes a device, in three buckets
+        assert scatters == 7
