@@ -81,8 +81,12 @@ def local_programs(plans: Sequence[Plan]) -> Callable[[list], list]:
     together so, and so do the gathers of a module's sharded parameters; ``shared_collectives`` says which steps
     share.
 
-        >>> run = local_programs([plan_a, plan_b])   # inside shard_map
-        >>> a, b = run([block_a, block_b])
+        >>> import jax, numpy as np, jshard
+        >>> from jshard import Partial, Shard
+        >>> mesh = jax.make_mesh((8,), ("dp",))
+        >>> grads = [jshard.from_local([np.ones(s, np.float32)] * 8, mesh, [Partial()]) for s in [(8, 4), (16,)]]
+        >>> plans = [jshard.plan_redistribute(g, [Shard(0)]) for g in grads]
+        >>> run = local_programs(plans)   # inside shard_map: a, b = run([block_a, block_b])
     """
     lowered = [[_lower_step(p.src.mesh, step, p.src) for step in p.steps] for p in plans]
     buckets = _buckets(plans)
@@ -108,7 +112,10 @@ def shared_collectives(plans: Sequence[Plan]) -> list[list[tuple[int, int]]]:
     """The collectives that ``local_programs(plans)`` shares between plans: per shared one, its ``(plan index,
     step index)`` pairs.
 
-        >>> shared_collectives([grad_a, grad_b])   # two reduce-scatters over dp, float32
+        >>> import jax, numpy as np, jshard
+        >>> mesh = jax.make_mesh((8,), ("dp",))
+        >>> grads = [jshard.from_local([np.ones(s, np.float32)] * 8, mesh, [jshard.Partial()]) for s in [(8,), (4, 2)]]
+        >>> shared_collectives([jshard.plan_redistribute(g, [jshard.Shard(0)]) for g in grads])  # one reduce-scatter
         [[(0, 0), (1, 0)]]
     """
     return [[(i, k) for i in bucket] for k, rounds in enumerate(_buckets(plans)) for bucket in rounds
