@@ -3,8 +3,8 @@
 One row per equation of the plan, loop and branch bodies listed under their loop or branch once each (as
 they appear in the compiled program), output pins and result moves last; totals per collective kind. It is
 read from the same plan the program is compiled from, so it lists exactly the program's collectives; moves
-that share one (reduce-scatters made together, ``jshard.lowering.local_programs``) are marked, and the totals
-count the shared collective once.
+that share one (reduce-scatters or all-gathers made together, ``jshard.lowering.local_programs``) are marked,
+and the totals count the shared collective once.
 """
 
 from __future__ import annotations
@@ -51,29 +51,32 @@ class Explanation:
 def explanation(traced: Traced) -> Explanation:
     """The ``Explanation`` of a traced function."""
     rows, totals = [], {}
-    shared = set()  # (id of a plan, step index) of the steps that share a collective with others
+    shared = set()  # (id of the move's owner, step index) of the steps that share a collective with others
 
-    def moves_of(i, move):
+    def moves_of(i, move, owner):
         out, marks = [], []
         for k, step in enumerate(move.steps if isinstance(move, Plan) else ()):  # a reused move costs nothing
             if step.is_collective:
                 out.append((i, step.emitted, tuple(step.axes), int(step.bytes)))
-                marks.append((id(move), k) in shared)
+                marks.append((id(owner), k) in shared)
                 c, b = totals.get(step.emitted, (0, 0))
                 totals[step.emitted] = (c + step.count, b + int(step.bytes))
         return out, marks
 
     def walk(plan: JaxprPlan, pins: list, where: str):
+        outputs = {}  # output index -> a key object for this plan's output moves
         for group in moved_together(plan, pins):
-            for pairs in shared_collectives(group):
-                shared.update((id(group[i]), k) for i, k in pairs)
-                kind = group[pairs[0][0]].steps[pairs[0][1]].emitted
+            owners = [outputs.setdefault(o, object()) if isinstance(o, int) else o for o, _ in group]
+            moves = [m for _, m in group]
+            for pairs in shared_collectives(moves):
+                shared.update((id(owners[i]), k) for i, k in pairs)
+                kind = moves[pairs[0][0]].steps[pairs[0][1]].emitted
                 c, b = totals.get(kind, (0, 0))
                 totals[kind] = (c - (len(pairs) - 1), b)
         for eq in plan.equations:
             moves, marks = [], []
             for i, op in enumerate(eq.operands):
-                m, s = moves_of(i, op.move)
+                m, s = moves_of(i, op.move, eq)
                 moves += m
                 marks += s
             rows.append(dict(primitive=where + eq.eqn.primitive.name, source=eq.source,
@@ -82,7 +85,7 @@ def explanation(traced: Traced) -> Explanation:
                 walk(body, body_pins, f"{where}{eq.eqn.primitive.name} {label} | ")
         for j, move in enumerate(out_moves(plan, pins)):
             if move is not None and move.collectives:
-                moves, marks = moves_of(0, move)
+                moves, marks = moves_of(0, move, outputs.setdefault(j, object()))
                 rows.append(dict(primitive=where + ("(output pin)" if not where else "(result move)"),
                                  source=f"output {j}", ins=[move.src], outs=[move.dst], moves=moves, shared=marks))
 

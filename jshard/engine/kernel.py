@@ -9,6 +9,7 @@ device needs its offsets, else the primitive itself on the blocks).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax.numpy as jnp
 
@@ -63,8 +64,8 @@ def local_function(plan: JaxprPlan, pins: list | None = None) -> Callable:
     specs in ``pins`` where given).
 
     Consecutive constraints (a training step's gradients pinned to their parameters' placements) move their
-    operands side by side, and so do the outputs moved to ``pins``: their reduce-scatters share collectives
-    (``jshard.lowering.local_programs``).
+    operands side by side, and so do the outputs moved to ``pins``: their reduce-scatters and all-gathers share
+    collectives (``jshard.lowering.local_programs``).
     """
     finals = out_moves(plan, pins or [None] * len(plan.outs))
     finish = local_programs([m for m in finals if m is not None])
@@ -110,11 +111,14 @@ def local_function(plan: JaxprPlan, pins: list | None = None) -> Callable:
     return run
 
 
-def moved_together(plan: JaxprPlan, pins: list) -> list[list[Plan]]:
-    """The moves ``local_function(plan, pins)`` runs side by side (``jshard.lowering.local_programs``): those of
-    each run of consecutive constraints, and those of the outputs to ``pins``."""
+def moved_together(plan: JaxprPlan, pins: list) -> list[list[tuple[Any, Plan]]]:
+    """The moves ``local_function(plan, pins)`` runs side by side (``jshard.lowering.local_programs``), each with
+    whose it is (plans are cached and shared, so a plan does not name its move): those of each run of consecutive
+    constraints (the constraint's ``EquationPlan``), and those of the outputs to ``pins`` (the output's index)."""
     runs = sorted({run for run in _constraint_runs(plan.equations) if len(run) > 1})
-    return [_run_moves(plan, run) for run in runs] + [[m for m in out_moves(plan, pins) if m is not None]]
+    groups = [[(plan.equations[i], plan.equations[i].operands[0].move) for i in run
+               if _moving(plan.equations[i].operands[0])] for run in runs]
+    return groups + [[(j, m) for j, m in enumerate(out_moves(plan, pins)) if m is not None]]
 
 
 def _run_moves(plan: JaxprPlan, run: tuple[int, ...]) -> list[Plan]:
