@@ -13,9 +13,12 @@ DArrays.
 >>> mesh = jax.make_mesh((2, 4), ("dp", "tp"))
 >>> x = jshard.distribute(np.ones((8, 16), np.float32), mesh, [Shard(0), Replicate()])
 >>> w = jshard.distribute(np.ones((16, 4), np.float32), mesh, [Replicate(), Shard(0)])
->>> y = jshard.jit(lambda x, w: jnp.tanh(x @ w))(x, w)   # P(sum) over tp, reduce-scattered before tanh
+>>> y = jshard.jit(lambda x, w: jnp.tanh(x @ w))(x, w)   # P(sum) over tp, all-reduced before tanh
 >>> y.placements, bool(np.allclose(y.full(), np.tanh(16.0)))
-((S(0), S(0)), True)
+((S(0), R), True)
+>>> split = jshard.jit(lambda x, w: jnp.tanh(x @ w), out_placements=(Shard(0), Shard(0)))
+>>> split(x, w).placements   # asked for split: reduce-scattered before tanh instead (half the bytes)
+(S(0), S(0))
 """
 
 from __future__ import annotations

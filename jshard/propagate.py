@@ -19,7 +19,10 @@ outputs that keep more sharding. Results are memoised per (primitive, params, in
 >>> c = select(jax.lax.add_p, {}, [x, y], out)
 >>> c.outs[0].placements, c.ins[1].placements, c.cost
 ((S(0), P(sum)), (S(0), P(sum)), 0.0)
->>> select(jax.lax.exp_p, {}, [x], out).ins[0].placements   # exp needs the sum: reduce-scatter over tp
+>>> select(jax.lax.exp_p, {}, [x], out).ins[0].placements   # exp needs the sum: all-reduced over tp
+(S(0), R)
+>>> split = [Spec.create(mesh, [Shard(0), Shard(0)], (8, 16), "float32")]
+>>> select(jax.lax.exp_p, {}, [x], out, want=split).ins[0].placements   # wanted split: reduce-scattered
 (S(0), S(0))
 """
 
@@ -72,6 +75,10 @@ def select(prim: Any, params: dict, in_specs: Sequence[Spec], out_avals: Sequenc
     may use it (multiplying a ``P(max)`` by a positive constant keeps it). ``mesh`` is needed only when
     there are no inputs. ``want`` gives, per output, the spec its consumers need (or None): moving an
     output there is priced with the strategy, so an equation can produce what is needed directly.
+
+    A pending reduction of an input is completed onto a shard (a reduce-scatter) only where another input, or
+    ``want``, has that shard on the mesh axis; else to Replicate (``alternatives`` still offers the scatter, for a
+    planner that weighs the consumers).
     """
     model = cost_model or DEFAULT_COST_MODEL
     name = prim if isinstance(prim, str) else prim.name
@@ -107,7 +114,7 @@ def alternatives(prim: Any, params: dict, in_specs: Sequence[Spec], out_avals: S
     hit = _ALTERNATIVES.get(key)
     if hit is None:
         sel = Selection(name, params, tuple(in_specs), tuple(out_avals), DEFAULT_COST_MODEL, consts, mesh,
-                        (frozen, outs_key))
+                        (frozen, outs_key), follow=False)
         hit = []
         for choice in sel.search(pops=64):
             if all(choice.outs != c.outs for c in hit):
@@ -260,9 +267,9 @@ class Selection:
 
     def __init__(self, name: str, params: dict, in_specs: tuple[Spec, ...], out_avals: tuple,
                  model: CostModel, consts: tuple, mesh: Mesh | None, keys: tuple | None = None,
-                 want: tuple | None = None):
+                 want: tuple | None = None, follow: bool = True):
         self.name, self.params, self.in_specs, self.out_avals = name, params, in_specs, out_avals
-        self.model, self.consts, self.want = model, consts, want
+        self.model, self.consts, self.want, self.follow = model, consts, want, follow
         mesh = in_specs[0].mesh if in_specs else mesh
         if mesh is None:
             raise ValueError(f"select('{name}'): an equation without inputs needs mesh=")
@@ -376,6 +383,8 @@ class Selection:
         nbytes = [self._nbytes(s) for s in self.in_specs]
         opts = []
         for col in self.columns:
+            if self.follow and self._scatters_alone(col, cur, m):
+                continue
             cost, changes = 0.0, 0
             for i, (a, b) in enumerate(zip(cur, col.ins)):
                 c, ch = self._hop(a, b, nbytes[i], m)
@@ -389,6 +398,15 @@ class Selection:
                 opts.append(((cost, changes, -sum(map(_score, col.outs))), col))
         opts.sort(key=lambda o: o[0])
         return opts
+
+    def _scatters_alone(self, col: Column, cur: tuple, m: int) -> bool:
+        """Does ``col`` reduce-scatter a pending reduction onto a shard that no other input and no consumer has
+        on axis ``m``? The greedy choice completes such a reduction to Replicate instead, as DTensor's pointwise
+        strategies follow their inputs: a row statistic scattered over rows on its own (half an all-reduce's
+        bytes) then meets the logits, sharded by vocabulary, it is broadcast against, and the logits move."""
+        return any(a.is_partial and b.is_shard and b not in cur[:i] + cur[i + 1:]
+                   and not any(w is not None and w.placements[m] == b for w in self.want or ())
+                   for i, (a, b) in enumerate(zip(cur, col.ins)))
 
     # -- the search ----------------------------------------------------------------------------------
     def run(self) -> Choice:
