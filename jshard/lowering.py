@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .caches import memo
 from .exchange import exchange_schedule
 from .local import PerDevice, opaque_ints, reduce_identity
-from .planner import Plan, Step
+from .planner import DEFAULT_COST_MODEL, Plan, Step
 from .spec import Spec, block_of, block_sharding, local_of
 
 __all__ = ["BUCKET_BYTES", "compile_plan", "local_program", "local_programs", "ordered_reduce", "reduce_identity",
@@ -77,9 +77,10 @@ def local_programs(plans: Sequence[Plan]) -> Callable[[list], list]:
     Sum reduce-scatters (and all-gathers) that the plans make at the same step, over the same mesh axes and of
     one dtype, share one ``psum_scatter`` (``all_gather``) of a buffer holding them all (at most ``BUCKET_BYTES``
     a device): one rendezvous of the devices instead of one per array, as XLA's combiner does for all-reduces (it
-    has none for these on CPU). A training step's gradients, each reduce-scattered to its parameter's shard, go
-    together so, and so do the gathers of a module's sharded parameters; ``shared_collectives`` says which steps
-    share.
+    has none for these on CPU). Only latency-bound ones share (by the default cost model, up to 0.1-0.6 MB a
+    device by kind and group size): a larger array saves little latency and would be copied into and out of the
+    buffer. A training step's gradients, each reduce-scattered to its parameter's shard, go together so, and so
+    do the gathers of a module's sharded parameters; ``shared_collectives`` says which steps share.
 
         >>> import jax, numpy as np, jshard
         >>> from jshard import Partial, Shard
@@ -131,7 +132,7 @@ def _buckets(plans: Sequence[Plan]) -> list[list[list[int]]]:
         groups: dict = {}
         for i, p in enumerate(plans):
             step = p.steps[k] if k < len(p.steps) else None
-            if step is not None and (step.kind == "all_gather" or (step.kind == "reduce_scatter" and step.op == "sum")):
+            if step is not None and _shares(step, p):
                 groups.setdefault((step.kind, step.axes, np.dtype(p.src.dtype)), []).append(i)
         rounds = []
         for members in groups.values():
@@ -146,6 +147,17 @@ def _buckets(plans: Sequence[Plan]) -> list[list[list[int]]]:
                 held += size
         out.append(rounds)
     return out
+
+
+def _shares(step: Step, plan: Plan) -> bool:
+    """May ``step`` share its collective: a sum reduce-scatter or an all-gather whose collective costs about as much
+    in latency as in bytes, or more (by the default cost model)? A larger array gains little from sharing the
+    latency and pays for being copied into and out of the shared buffer."""
+    if not (step.kind == "all_gather" or (step.kind, step.op) == ("reduce_scatter", "sum")):
+        return False
+    n = math.prod(plan.src.mesh.shape[a] for a in step.axes)
+    fixed = DEFAULT_COST_MODEL.collective(step.kind, step.axes, n, 0)
+    return DEFAULT_COST_MODEL.collective(step.kind, step.axes, n, step.bytes) <= 2 * fixed
 
 
 # ---------------------------------------------------------------------------------------------------

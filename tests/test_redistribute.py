@@ -146,7 +146,8 @@ def test_a_nan_in_any_part_wins_a_max_scatter():
 
 
 # (shape, dtype, src, dst) moved side by side: even and uneven dims, dims 0 and 1, an avg, two steps, a strided
-# target, an int and a bf16 (each dtype its own collective), a max (an all_to_all, never bucketed)
+# target, an int and a bf16 (each dtype its own collective), a max (an all_to_all, never bucketed), and a
+# megabyte a device each way (bandwidth-bound: moved alone)
 TOGETHER = [
     ((16, 8), np.float32, (Partial(), Replicate()), (Shard(0), Replicate())),
     ((12,), np.float32, (Partial(), Replicate()), (Shard(0), Replicate())),
@@ -159,19 +160,21 @@ TOGETHER = [
     ((8, 6), np.int32, (Partial(), Replicate()), (Shard(1), Replicate())),
     ((8, 4), jax.numpy.bfloat16, (Partial(), Replicate()), (Shard(1), Replicate())),
     ((8, 4), np.float32, (Partial("max"), Replicate()), (Shard(0), Replicate())),
+    ((256, 1024), np.float32, (Partial(), Replicate()), (Shard(0), Replicate())),
     ((16, 8), np.float32, (Shard(0), Replicate()), (Replicate(), Replicate())),  # and gathers
     ((8, 12), np.float32, (Shard(1), Replicate()), (Replicate(), Replicate())),
     ((5, 4), np.float32, (Shard(0), Replicate()), (Replicate(), Replicate())),  # uneven: padding dropped
     ((16, 4), np.float32, (StridedShard(0, 4), Shard(0)), (Replicate(), Shard(0))),  # FSDP's gather under TP
     ((12,), np.int32, (Shard(0), Replicate()), (Replicate(), Replicate())),
+    ((512, 1024), np.float32, (Shard(0), Replicate()), (Replicate(), Replicate())),
 ]
 
 
 @pytest.mark.parametrize("bucket_bytes", [None, 600], ids=["one-bucket", "small-buckets"])
 def test_moves_made_together_share_collectives(bucket_bytes, monkeypatch):
-    """Independent moves run side by side: their sum reduce-scatters (all-gathers) over one axes tuple and of one
-    dtype are one psum_scatter (all_gather), cut into buckets of at most BUCKET_BYTES, and every result is what
-    each move gives alone."""
+    """Independent moves run side by side: their latency-bound sum reduce-scatters (all-gathers) over one axes tuple
+    and of one dtype are one psum_scatter (all_gather), cut into buckets of at most BUCKET_BYTES, a bandwidth-bound
+    one goes alone, and every result is what each move gives alone."""
     if bucket_bytes is not None:
         monkeypatch.setattr(lowering, "BUCKET_BYTES", bucket_bytes)
     mesh = make_mesh((2, 4))
@@ -195,10 +198,11 @@ def test_moves_made_together_share_collectives(bucket_bytes, monkeypatch):
     text = fn.lower(*[x.block for x in xs]).as_text()
     scatters, gathers = text.count("stablehlo.reduce_scatter"), text.count("stablehlo.all_gather")
     alone = sum((plan_collectives(p) for p in plans), collections.Counter())
-    assert (alone["reduce-scatter"], alone["all-gather"]) == (11, 5)
-    assert gathers == 2  # float32 (528 bytes a device) and int32 over dp
+    assert (alone["reduce-scatter"], alone["all-gather"]) == (12, 6)
+    assert gathers == 3  # float32 (528 bytes a device) and int32 over dp; the megabyte alone
     if bucket_bytes is None:
-        # float32 over dp, float32 over tp, int32 over dp, bfloat16 over dp; then the two-step plan's second step
-        assert scatters == 5
-    else:  # the float32s over dp, 512 + 48, 96 + 384, 512 + 64 bytes a device, in three buckets
-        assert scatters == 7
+        # float32 over dp, float32 over tp, int32 over dp, bfloat16 over dp; then the two-step plan's second step;
+        # the megabyte alone
+        assert scatters == 6
+    else:  # the float32s over dp, 512 + 48, 96 + 384, 512 + 64 bytes a device, in three buckets; the megabyte
+        assert scatters == 8
