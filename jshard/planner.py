@@ -170,16 +170,17 @@ def plan_redistribute(src, placements, *, cost_model: CostModel | None = None) -
     model = check_cost_model(cost_model, "plan_redistribute")
     if type(placements) is tuple and all(isinstance(p, Placement) for p in placements):
         return _planned(spec, placements, model)
+    return _validated_plan(spec, placements, model)
+
+
+def _validated_plan(spec: Spec, placements, model: CostModel) -> Plan:
     dst = spec.with_placements(placements, where=f"plan_redistribute from {spec}")
     return _plan(spec, dst.placements, model)
 
 
-@memo(65536)
-def _planned(spec: Spec, placements: tuple, model: CostModel) -> Plan:
-    # keyed by the placements as given: a planner asks for the same moves again and again, and validating them
-    # (and naming the spec for the error message) costs more than the lookup
-    dst = spec.with_placements(placements, where=f"plan_redistribute from {spec}")
-    return _plan(spec, dst.placements, model)
+# keyed by the placements as given: a planner asks for the same moves again and again, and validating them (and
+# naming the spec for the error message) costs more than the lookup
+_planned = memo(65536)(_validated_plan)
 
 
 def check_cost_model(cost_model, where: str) -> CostModel:
