@@ -5,12 +5,18 @@ indices a device holds; these helpers turn a spec's static layout tables into va
 function can use: the global index of every position of its block along a dim (``-1`` on padding), the
 mask of its real (non-padding) positions, and the block with its padding overwritten (by the identity of
 a reduction before reading across a dim). Only the mesh axes a table varies along are read with
-``lax.axis_index``; a table equal on all devices is a constant.
+``axis_index``; a table equal on all devices is a constant.
+
+Inside ``coordinates_read_once()`` (the engine runs every plan in one) each mesh axis's index is read once
+and shared: a training step asks for it some 70 times, and each read is a few HLO instructions that every
+XLA pass walks before CSE merges them (on a GPT step, a tenth of the module).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +24,60 @@ from jax import lax
 
 from .spec import Spec
 
-__all__ = ["PerDevice", "fill_padding", "global_index", "opaque_ints", "reduce_identity", "valid_mask"]
+__all__ = ["PerDevice", "at_origin", "axis_index", "coordinates_read_once", "fill_padding", "global_index",
+           "opaque_ints", "reduce_identity", "valid_mask"]
+
+_read: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jshard_coordinates", default=None)
+
+
+@contextlib.contextmanager
+def coordinates_read_once() -> Iterator[None]:
+    """Within it, ``axis_index(name)`` reads each axis once and hands every later caller that value.
+
+    Enter it where one function body is traced (inside ``shard_map``), around code that traces no inner
+    function except through another ``coordinates_read_once`` (a loop body's plan opens its own): a value
+    read inside an inner trace must not be handed to the outer one.
+
+    >>> import jax
+    >>> mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+    >>> def body():
+    ...     with coordinates_read_once():
+    ...         return (axis_index("x") + axis_index("x"))[None]
+    >>> f = jax.shard_map(body, mesh=mesh, in_specs=(), out_specs=jax.P("x"))
+    >>> str(jax.make_jaxpr(f)()).count("axis_index")
+    1
+    >>> f()
+    Array([0, 2], dtype=int32)
+    """
+    token = _read.set({})
+    try:
+        yield
+    finally:
+        _read.reset(token)
+
+
+def axis_index(name: str):
+    """This device's index along mesh axis ``name`` (``lax.axis_index``, read once per axis inside
+    ``coordinates_read_once``)."""
+    return _once(name, lambda: lax.axis_index(name))
+
+
+def _once(key, make: Callable):
+    """``make()``, made once per ``coordinates_read_once`` and shared (each time outside one)."""
+    read = _read.get()
+    if read is None:
+        return make()
+    if key not in read:
+        read[key] = make()
+    return read[key]
+
+
+def at_origin(names: Sequence[str]):
+    """Bool scalar: is this device at index 0 of every mesh axis in ``names``?"""
+    first = jnp.asarray(True)
+    for a in names:
+        first = first & (axis_index(a) == 0)
+    return first
 
 
 class PerDevice:
@@ -38,7 +97,7 @@ class PerDevice:
     def __call__(self):
         if not self.axes:
             return self.values
-        coords = [lax.axis_index(self.names[a]) for a in self.axes]
+        coords = [axis_index(self.names[a]) for a in self.axes]
         affine = self._affine()
         if affine is not None:  # offsets of even blocks: arithmetic on the coordinates, no table in the program
             base, steps = affine
@@ -77,12 +136,13 @@ def opaque_ints(values: Sequence[int], axis: str) -> list:
 
     XLA:CPU compiles each distinct kernel once, some 20 ms apiece, and a constant makes a kernel distinct: a
     program cutting 70 arrays out of one buffer at 70 constant offsets compiles 70 kernels, while with opaque
-    offsets the arrays of one shape share a kernel. The values come out of one variadic reduction of
-    ``[value + zero, zero]`` pairs, ``zero`` being the device index shifted past its last bit, which XLA cannot
-    prove zero: one small kernel, and one buffer per value.
+    offsets the arrays of one shape share a kernel. The values come out of one variadic reduction of the pairs
+    ``[value, 0] + zero``, ``zero`` being the device index shifted past its last bit, which XLA cannot prove
+    zero: one small kernel, and one buffer per value.
     """
-    zero = (lax.axis_index(axis).astype(jnp.uint32) >> 31).astype(jnp.int32)
-    pairs = tuple(jnp.stack([jnp.int32(v) + zero, zero]) for v in values)
+    zero = _once(("opaque zero", axis),
+                 lambda: jnp.broadcast_to((axis_index(axis).astype(jnp.uint32) >> 31).astype(jnp.int32), (2,)))
+    pairs = tuple(np.array([v, 0], np.int32) + zero for v in values)
     return list(lax.reduce(pairs, (jnp.int32(0),) * len(pairs), lambda a, b: tuple(map(jnp.add, a, b)), (0,)))
 
 

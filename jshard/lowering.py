@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .caches import memo
 from .exchange import exchange_schedule
-from .local import PerDevice, opaque_ints, reduce_identity
+from .local import PerDevice, at_origin, coordinates_read_once, opaque_ints, reduce_identity
 from .planner import DEFAULT_COST_MODEL, Plan, Step
 from .spec import Spec, block_of, block_sharding, local_of
 
@@ -51,6 +51,7 @@ def compile_plan(plan: Plan, *, global_in: bool = False, global_out: bool = Fals
     mesh = plan.src.mesh
     run = local_program(plan)
 
+    @coordinates_read_once()
     def body(x):
         x = run(x if global_in else local_of(x, plan.src))
         return x if global_out else block_of(x)
@@ -463,8 +464,7 @@ def _lower_step(mesh, step: Step, spec: Spec) -> Callable:
                 x = jnp.concatenate([x, jnp.full(pad, identity, x.dtype)], axis=sel.dim)
             x = sel(x)
         if zeroed:
-            first = jnp.logical_and.reduce(jnp.stack([lax.axis_index(a) == 0 for a in zeroed]))
-            x = jnp.where(first, x, jnp.zeros((), x.dtype))
+            x = jnp.where(at_origin(zeroed), x, jnp.zeros((), x.dtype))
         return x
 
     return local

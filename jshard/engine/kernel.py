@@ -14,6 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from ..jaxcompat import jc
+from ..local import coordinates_read_once
 from ..lowering import local_program, local_programs
 from ..planner import Plan, plan_redistribute
 from ..rules.registry import has_rule, rule_for
@@ -77,6 +78,7 @@ def local_function(plan: JaxprPlan, pins: list | None = None) -> Callable:
              for i, eq in enumerate(plan.equations)]
     together = {run[0]: local_programs(_run_moves(plan, run)) for run in set(runs) if len(run) > 1}
 
+    @coordinates_read_once()
     def run(*blocks):
         vals = dict(zip(plan.in_vars, blocks))
         moved = {}

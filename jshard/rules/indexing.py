@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..local import PerDevice, global_index, reduce_identity
+from ..local import PerDevice, at_origin, global_index, reduce_identity
 from ..spec import Spec
 from .algebra import AVG, MAX, MIN, ORDER, PARTIALS, SUM, R, inexact, linear, linear_in, monotone, swapped
 from .registry import ShardPlaceholder as Φ
@@ -133,14 +133,6 @@ def _require_batch_indices(name: str, idx: Spec) -> None:
         raise ValueError(f"{name}: indices {idx} must be Replicate or sharded on batch dims")
 
 
-def _all_zero(names: Sequence[str]):
-    """Is this device at coordinate 0 of every axis in ``names``?"""
-    first = jnp.asarray(True)
-    for a in names:
-        first = first & (lax.axis_index(a) == 0)
-    return first
-
-
 # ---------------------------------------------------------------------------------------------------
 # gather
 
@@ -204,7 +196,7 @@ def _gather_local(prim, params, in_specs, out_specs):
         if rows:  # other devices' rows: the identity of the pending reduction
             out = jnp.where(spread(owned), out, reduce_identity(row_op, dtype))
         if mode == _FILL:  # a pending sum must see the fill once: coordinate 0 of the P(sum) axes
-            fill = jnp.where(_all_zero(sum_axes), jnp.asarray(params["fill_value"], dtype),
+            fill = jnp.where(at_origin(sum_axes), jnp.asarray(params["fill_value"], dtype),
                              jnp.zeros((), dtype))
             out = jnp.where(spread(in_range), out, fill)
         return [out]

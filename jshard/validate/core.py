@@ -31,6 +31,7 @@ from jax.sharding import Mesh
 
 from ..engine import local_equation
 from ..jaxcompat import inlined_call, jc, open_jaxpr
+from ..local import coordinates_read_once
 from ..placements import REDUCE_OPS, Partial, Placement, Replicate, Shard
 from ..propagate import offered, params_key
 from ..rules.registry import registered, rule_for
@@ -429,6 +430,7 @@ def run_equation(prim, params: dict, inputs: Sequence, *, consts: Sequence | Non
     mesh = inputs[0].mesh
     block = block_sharding(mesh).spec
 
+    @coordinates_read_once()
     def body(*blocks):
         return [block_of(o) for o in fn(*[local_of(b, s) for b, s in zip(blocks, choice.ins)])]
 
