@@ -101,10 +101,11 @@ class PerDevice:
         affine = self._affine()
         if affine is not None:  # offsets of even blocks: arithmetic on the coordinates, no table in the program
             base, steps = affine
-            out = jnp.asarray(base)
-            for c, step in zip(coords, steps):
-                out = out + jnp.asarray(step) * c.astype(out.dtype)
-            return out
+            out = None
+            for c, step in zip(coords, steps):  # no op for a unit step or a zero base
+                term = c.astype(base.dtype) if np.all(step == 1) else step * c.astype(base.dtype)
+                out = term if out is None else out + term
+            return jnp.broadcast_to(out + base if base.any() else out, base.shape)
         # one dynamic index into the flattened table: coordinates are never negative, so no wrap-around code
         sizes = self.values.shape[:len(self.axes)]
         flat = coords[0]

@@ -253,8 +253,9 @@ class _Select:
         contiguous = (bool(np.all(~valid | (offsets == starts[..., None])))
                       and bool(np.all((starts >= 0) & (starts + self.m <= buffer_len))))
         self.slice = contiguous
-        self.rows = PerDevice(starts[..., None] if contiguous else np.where(valid, table, 0), names)
-        self.identity = contiguous and not self.rows.axes and int(self.rows.values[0]) == 0 and self.m == buffer_len
+        # a slice reads its start as a scalar (no index op to take it out of a row)
+        self.rows = PerDevice(starts.astype(np.int32) if contiguous else np.where(valid, table, 0), names)
+        self.identity = contiguous and not self.rows.axes and int(self.rows.values) == 0 and self.m == buffer_len
 
     def __call__(self, x):
         if self.identity:
@@ -262,10 +263,9 @@ class _Select:
         row = self.rows()
         if self.slice:
             if not self.rows.axes:
-                return lax.slice_in_dim(x, int(row[0]), int(row[0]) + self.m, axis=self.dim)
+                return lax.slice_in_dim(x, int(row), int(row) + self.m, axis=self.dim)
             # starts are never negative: no wrap-around code per slice
-            return lax.dynamic_slice_in_dim(x, row[0].astype(jnp.int32), self.m, axis=self.dim,
-                                            allow_negative_indices=False)
+            return lax.dynamic_slice_in_dim(x, row, self.m, axis=self.dim, allow_negative_indices=False)
         return jnp.take(x, jnp.asarray(row, dtype=jnp.int32), axis=self.dim, mode="clip")
 
 
