@@ -18,6 +18,7 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -101,11 +102,12 @@ class PerDevice:
         affine = self._affine()
         if affine is not None:  # offsets of even blocks: arithmetic on the coordinates, no table in the program
             base, steps = affine
+            dtype = jax.dtypes.canonicalize_dtype(base.dtype)  # int64 tables run as int32 unless x64 is on
             out = None
             for c, step in zip(coords, steps):  # no op for a unit step or a zero base
-                term = c.astype(base.dtype) if np.all(step == 1) else step * c.astype(base.dtype)
+                term = c.astype(dtype) if np.all(step == 1) else step.astype(dtype) * c.astype(dtype)
                 out = term if out is None else out + term
-            return jnp.broadcast_to(out + base if base.any() else out, base.shape)
+            return jnp.broadcast_to(out + base.astype(dtype) if base.any() else out, base.shape)
         # one dynamic index into the flattened table: coordinates are never negative, so no wrap-around code
         sizes = self.values.shape[:len(self.axes)]
         flat = coords[0]
