@@ -382,10 +382,10 @@ class _Search:
         TP is ``(SS(0, tp), S(0))``, the data axis innermost though first in the mesh), else None. Only the
         innermost cut is one contiguous piece of every block: gathered, scattered or sliced locally."""
         chain = tuple((a, self.split[p]) for a, p in enumerate(state) if self.shard_dim[p] == dim)
-        got = self._innermost.get(chain, -1)
+        got = self._innermost.get((chain, dim), -1)
         if got == -1:
-            order = cut_order(chain, self.sizes)
-            got = self._innermost[chain] = order[-1] if order else None
+            order = cut_order(chain, self.sizes, self.shape[dim])
+            got = self._innermost[(chain, dim)] = order[-1] if order else None
         return got
 
     def relabelling(self, state) -> tuple[int, ...] | None:
@@ -595,7 +595,7 @@ def _tuple_order(search: _Search, state, dim, axes) -> list[int]:
     when the merged axes are its innermost cuts (then no local reshuffle is needed), else ``axes``."""
     axes = list(axes)
     chain = tuple((a, p.split_factor) for a, p in enumerate(state) if p.is_shard and p.dim == dim)
-    order = cut_order(chain, search.sizes)
+    order = cut_order(chain, search.sizes, search.shape[dim])
     if order is not None and set(order[len(order) - len(axes):]) == set(axes):
         return list(order[len(order) - len(axes):])
     return axes

@@ -154,17 +154,26 @@ def dim_layout(length: int, mesh_shape: tuple[int, ...], chain: tuple[tuple[int,
     return out
 
 
-def cut_order(chain: tuple[tuple[int, int], ...], mesh_shape: tuple[int, ...]) -> tuple[int, ...] | None:
+def cut_order(chain: tuple[tuple[int, int], ...], mesh_shape: tuple[int, ...],
+              length: int | None = None) -> tuple[int, ...] | None:
     """The order in which the chain's axes cut the dim, major first, or None if it is no such order.
 
     An axis whose split factor is the product of the sizes of the higher-index axes that cut before it
-    is how StridedShard spells a non-default shard order (``docs/dtensor-semantics.md`` §1.4).
+    is how StridedShard spells a non-default shard order (``docs/dtensor-semantics.md`` §1.4). That holds
+    where the splits are even; given the dim's ``length``, an order is returned only where every device's
+    indices are those of cutting in that order (uneven splits may interleave differently):
+
+    >>> cut_order(((0, 2), (1, 1)), (4, 2)), cut_order(((0, 2), (1, 1)), (4, 2), length=9)
+    ((1, 0), None)
     """
     want = dict(chain)
     for order in itertools.permutations(want):
         if all(
             want[a] == math.prod(mesh_shape[b] for b in order[: order.index(a)] if b > a) for a in order
         ):
+            if length is not None and not np.array_equal(dim_layout(length, mesh_shape, chain),
+                                                         dim_layout(length, mesh_shape, tuple((a, 1) for a in order))):
+                return None
             return order
     return None
 

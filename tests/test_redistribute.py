@@ -133,6 +133,17 @@ def test_one_collective_moves_only_the_block_a_device_keeps(shape, src, dst, ste
     assert [(s.kind, s.axes) for s in plan.steps] == steps, str(plan)
 
 
+def test_an_uneven_strided_shard_that_is_no_shard_order_is_not_gathered_as_one():
+    """(SS(0,2), S(0)) cuts 9 rows on (a=4, b=2) so that the rows a b-column holds are not b's torch.chunk:
+    gathering a alone would leave device (0, 1) without row 8 (hypothesis found it). Even rows keep the one
+    all-gather of the shard order."""
+    src, dst = (StridedShard(0, 2), Shard(0)), (Replicate(), Shard(0))
+    x, _, _ = run_pair((4, 2), (9,), src, dst, np.random.default_rng(4), check_hlo=True)
+    assert [s.kind for s in jshard.plan_redistribute(x, dst).steps] == ["all_gather", "slice"]
+    x, _, _ = run_pair((4, 2), (16,), src, dst, np.random.default_rng(4), check_hlo=True)
+    assert [(s.kind, s.axes) for s in jshard.plan_redistribute(x, dst).steps] == [("all_gather", ("a",))]
+
+
 def test_a_nan_in_any_part_wins_a_max_scatter():
     mesh = make_mesh((2, 4))
     parts = [np.full((8, 4), float(i), np.float32) for i in range(8)]

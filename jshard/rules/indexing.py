@@ -133,6 +133,12 @@ def _require_batch_indices(name: str, idx: Spec) -> None:
         raise ValueError(f"{name}: indices {idx} must be Replicate or sharded on batch dims")
 
 
+def _with_column(idx, k: int, column):
+    """``idx`` with its last dim's entry ``k`` replaced by ``column``: slices and a concatenate, which fuse into
+    what reads them (``idx.at[..., k].set`` is a scatter, which XLA:CPU expands into a loop)."""
+    return jnp.concatenate([idx[..., :k], column[..., None].astype(idx.dtype), idx[..., k + 1:]], axis=-1)
+
+
 # ---------------------------------------------------------------------------------------------------
 # gather
 
@@ -189,7 +195,7 @@ def _gather_local(prim, params, in_specs, out_specs):
         owned = jnp.ones(idx.shape[:-1], bool)
         for k, d in rows:
             pos, own = local_position(op_spec, d, idx[..., k])
-            idx = idx.at[..., k].set(jnp.where(own, pos, 0))
+            idx = _with_column(idx, k, jnp.where(own, pos, 0))
             owned = owned & own
         out = prim.bind(take(op), idx, **bind)
         spread = lambda m: jnp.expand_dims(m, dn.offset_dims)  # batch mask -> output positions
@@ -315,7 +321,7 @@ def _scatter_local(prim, params, in_specs, out_specs):
             keep = keep & jnp.reshape(global_index(idx_spec, b) >= 0, shape)
         for k, d in rows:
             pos, own = local_position(op_spec, d, idx[..., k])
-            idx = idx.at[..., k].set(jnp.where(own, pos, 0))
+            idx = _with_column(idx, k, jnp.where(own, pos, 0))
             keep = keep & own
         idx = jnp.where(keep[..., None], idx, beyond.astype(idx.dtype))
         return [prim.bind(take(op), idx, upd, **bind)]
