@@ -75,9 +75,9 @@ def _once(key, make: Callable):
 
 def at_origin(names: Sequence[str]):
     """Bool scalar: is this device at index 0 of every mesh axis in ``names``?"""
-    first = jnp.asarray(True)
+    first = np.bool_(True)
     for a in names:
-        first = first & (axis_index(a) == 0)
+        first = lax.bitwise_and(first, lax.eq(axis_index(a), np.int32(0)))
     return first
 
 
@@ -104,10 +104,11 @@ class PerDevice:
             base, steps = affine
             dtype = jax.dtypes.canonicalize_dtype(base.dtype)  # int64 tables run as int32 unless x64 is on
             out = None
-            for c, step in zip(coords, steps):  # no op for a unit step or a zero base
-                term = c.astype(dtype) if np.all(step == 1) else step.astype(dtype) * c.astype(dtype)
-                out = term if out is None else out + term
-            return jnp.broadcast_to(out + base.astype(dtype) if base.any() else out, base.shape)
+            for c, step in zip(coords, steps):  # no op for a unit step or a zero base; lax, not jitted jnp
+                c = lax.broadcast(lax.convert_element_type(c, dtype), base.shape)
+                term = c if np.all(step == 1) else lax.mul(c, step.astype(dtype))
+                out = term if out is None else lax.add(out, term)
+            return lax.add(out, base.astype(dtype)) if base.any() else out
         # one dynamic index into the flattened table: coordinates are never negative, so no wrap-around code
         sizes = self.values.shape[:len(self.axes)]
         flat = coords[0]
@@ -145,8 +146,9 @@ def opaque_ints(values: Sequence[int], axis: str) -> list:
     """
     zero = _once(("opaque zero", axis),
                  lambda: jnp.broadcast_to((axis_index(axis).astype(jnp.uint32) >> 31).astype(jnp.int32), (2,)))
-    pairs = tuple(np.array([v, 0], np.int32) + zero for v in values)
-    return list(lax.reduce(pairs, (jnp.int32(0),) * len(pairs), lambda a, b: tuple(map(jnp.add, a, b)), (0,)))
+    # lax, not jnp: a jnp operator is a jitted function, traced anew for each of a program's many offsets
+    pairs = tuple(lax.add(zero, np.array([v, 0], np.int32)) for v in values)
+    return list(lax.reduce(pairs, (np.int32(0),) * len(pairs), lambda a, b: tuple(map(lax.add, a, b)), (0,)))
 
 
 def global_index(spec: Spec, dim: int):

@@ -290,7 +290,7 @@ class _ReduceScatter:
         for step, x in zip(steps, blocks):
             x, d = step.pre(x), step.dim
             split = x.shape[:d] + (g, x.shape[d] // g) + x.shape[d + 1:]
-            rows.append(jnp.moveaxis(x.reshape(split), d, 0).reshape(g, -1))  # no copy where d is 0
+            rows.append(_move_axis(x.reshape(split), d, 0).reshape(g, -1))  # no copy where d is 0
             shapes.append(split[:d] + split[d + 1:])
         mine = lax.psum_scatter(jnp.concatenate(rows, axis=1), steps[0].axes, scatter_dimension=0, tiled=True)[0]
         pieces = _cut(mine, [math.prod(shape) for shape in shapes], steps[0].axes[0])
@@ -318,9 +318,19 @@ class _AllGather:
         out = []
         for step, x, piece in zip(steps, blocks, _cut(every, [x.size for x in blocks], steps[0].axes[0], axis=1)):
             d = step.dim  # members' blocks side by side along d, in group order, as a tiled all_gather puts them
-            piece = jnp.moveaxis(piece.reshape((g,) + x.shape), 0, d)
+            piece = _move_axis(piece.reshape((g,) + x.shape), 0, d)
             out.append(step.select(piece.reshape(x.shape[:d] + (g * x.shape[d],) + x.shape[d + 1:])))
         return out
+
+
+def _move_axis(x, src: int, dst: int):
+    """``jnp.moveaxis`` as one transpose, or nothing where ``src == dst``: a bucket moves dozens of blocks, and
+    each jnp call would be a jitted function traced anew."""
+    if src == dst:
+        return x
+    order = [a for a in range(x.ndim) if a != src]
+    order.insert(dst, src)
+    return lax.transpose(x, order)
 
 
 def _cut(buffer, sizes: list[int], axis_name: str, axis: int = 0) -> list:
@@ -464,7 +474,7 @@ def _lower_step(mesh, step: Step, spec: Spec) -> Callable:
                 x = jnp.concatenate([x, jnp.full(pad, identity, x.dtype)], axis=sel.dim)
             x = sel(x)
         if zeroed:
-            x = jnp.where(at_origin(zeroed), x, jnp.zeros((), x.dtype))
+            x = lax.select(lax.broadcast(at_origin(zeroed), x.shape), x, lax.full_like(x, 0))
         return x
 
     return local
