@@ -259,7 +259,8 @@ def _reseat(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh, pi
     what the walk chose), the producer is asked to produce that spec directly,
     and does so when that needs no collective of its own (its inputs only slice): a dropout mask drawn
     only where the activations are, not drawn whole and sliced. Producers are visited last-first, so a
-    re-seated equation's own input slices become demands on the equations before it."""
+    re-seated equation's own input slices become demands on the equations before it. A transpose also takes
+    over its consumers' all-reduces (``_reduces_first``)."""
     uses: dict = {}
     for eq in equations:
         for i, op in enumerate(eq.operands):
@@ -287,7 +288,7 @@ def _reseat(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh, pi
         saved = sum(plan_redistribute(env[o], w.placements).cost for o, w in zip(eq.outs, want) if w is not None)
         choice = select(eq.eqn.primitive, eq.eqn.params, specs, [o.aval for o in eq.eqn.outvars], consts=eq.consts,
                         mesh=mesh, want=want)
-        free = not _communicating(specs, choice.ins)
+        free = not _communicating(specs, choice.ins) or _reduces_first(eq, specs, choice)
         if choice.outs != eq.choice.outs and free and choice.cost <= eq.choice.cost + saved + 1e-9:
             eq.choice = choice
             for o, spec in zip(eq.outs, choice.outs):
@@ -398,6 +399,20 @@ def _moves_cost(equations, users, env, touched, choices, specs, mesh, pinned) ->
 def _communicating(specs: list[Spec], targets) -> bool:
     """Does moving values with ``specs`` to ``targets`` take a collective?"""
     return any(plan_redistribute(s, t.placements).collectives for s, t in zip(specs, targets) if s != t)
+
+
+def _reduces_first(eq: EquationPlan, specs: list[Spec], choice: Choice) -> bool:
+    """May ``eq`` run as ``choice`` although its inputs then take a collective: a transpose whose inputs are
+    only all-reduced (``_reseat`` checks that it costs no more than its consumers' moves, the same bytes).
+
+    An all-reduce of a transpose's input is one of its output, but where it sits matters to XLA: right after the
+    contraction that made the pending sums (where GSPMD's partitioner puts it), XLA folds the transpose into the
+    consumers, while a transpose between them is folded into the contraction, which XLA:CPU then runs outside
+    its fast matmul kernels (13 of the 51 dots of the GPT's DP2 x TP4 training step, its weight gradients)."""
+    if eq.eqn.primitive.name != "transpose":
+        return False
+    moves = [plan_redistribute(s, t.placements) for s, t in zip(specs, choice.ins) if s != t]
+    return all(step.emitted == "all_reduce" for m in moves for step in m.steps if step.is_collective)
 
 
 def _choosable(eq: EquationPlan) -> bool:
