@@ -362,6 +362,12 @@ class Selection:
         itemsize = getattr(s.dtype, "itemsize", 8)
         return math.prod(s.shape) * itemsize / shards
 
+    def _made_bytes(self, want: Spec, made: Placement, m: int) -> float:
+        """The bytes a device holds of an output made as ``made`` on axis ``m`` (and as ``want`` on the others):
+        what moving it to ``want`` starts from."""
+        n = self.mesh_shape[m]
+        return self._nbytes(want) * (n if want.placements[m].is_shard else 1) / (n if made.is_shard else 1)
+
     def _hop(self, src: Placement, dst: Placement, nbytes: float, m: int) -> tuple[float, int]:
         if src == dst:
             return 0.0, 0
@@ -392,7 +398,7 @@ class Selection:
                 changes += ch
             for j, w in enumerate(self.want or ()):  # what consumers would pay to move the output
                 if w is not None and col.outs[j] != w.placements[m]:
-                    cost += self._hop(col.outs[j], w.placements[m], self._nbytes(w), m)[0]
+                    cost += self._hop(col.outs[j], w.placements[m], self._made_bytes(w, col.outs[j], m), m)[0]
                     changes += 1  # at equal cost, producing what is wanted beats leaving the inputs alone
             if cost < math.inf:
                 opts.append(((cost, changes, -sum(map(_score, col.outs))), col))
@@ -403,9 +409,13 @@ class Selection:
         """Does ``col`` reduce-scatter a pending reduction onto a shard that no other input and no consumer has
         on axis ``m``? The greedy choice completes such a reduction to Replicate instead, as DTensor's pointwise
         strategies follow their inputs: a row statistic scattered over rows on its own (half an all-reduce's
-        bytes) then meets the logits, sharded by vocabulary, it is broadcast against, and the logits move."""
-        return any(a.is_partial and b.is_shard and b not in cur[:i] + cur[i + 1:]
-                   and not any(w is not None and w.placements[m] == b for w in self.want or ())
+        bytes) then meets the logits, sharded by vocabulary, it is broadcast against, and the logits move.
+        A scatter that makes an output its consumers want is not alone, whichever dim it lands on (a transpose
+        scatters its input on the dim that becomes the wanted one)."""
+        wants = [w.placements[m] for w in self.want or () if w is not None]
+        if any(w is not None and w.placements[m] == o and o.is_shard for w, o in zip(self.want or (), col.outs)):
+            return False
+        return any(a.is_partial and b.is_shard and b not in cur[:i] + cur[i + 1:] and b not in wants
                    for i, (a, b) in enumerate(zip(cur, col.ins)))
 
     # -- the search ----------------------------------------------------------------------------------

@@ -232,14 +232,16 @@ def test_consecutive_constraints_move_together_in_order():
     assert jshard.jit(f).lower(*args).as_text().count("stablehlo.reduce_scatter") == 1
 
 
-@pytest.mark.parametrize("target,moved_at", [(R, "transpose"), (Shard(0), "output pin")])
-def test_a_transpose_all_reduces_its_input_where_its_consumers_would_all_reduce_its_output(target, moved_at):
+@pytest.mark.parametrize("target,width,moved_at", [(R, 12, "transpose"), (Shard(0), 12, "output pin"),
+                                                   (Shard(0), 512, "transpose")])
+def test_a_transpose_reduces_its_input_where_its_consumers_would_reduce_its_output(target, width, moved_at):
     # a weight gradient: a contraction over the data-parallel rows, then a transpose. Its sums are all-reduced
     # before the transpose (where the contraction made them, as GSPMD does; XLA then keeps the contraction in
-    # its fast form), the same bytes as after it; a reduce-scatter stays with the pin, where pins share one
+    # its fast form), the same bytes as after it; so is a reduce-scatter that goes alone (1 MB), while a small
+    # one stays with the pin, where pins share one
     mesh = make_mesh((2, 4))
     rng = np.random.default_rng(9)
-    X, Y = rng.normal(size=(16, 12)).astype(np.float32), rng.normal(size=(16, 8)).astype(np.float32)
+    X, Y = rng.normal(size=(16, width)).astype(np.float32), rng.normal(size=(16, width - 4)).astype(np.float32)
     args = [jshard.distribute(X, mesh, (Shard(0), R)), jshard.distribute(Y, mesh, (Shard(0), R))]
 
     def f(x, y):
@@ -250,7 +252,7 @@ def test_a_transpose_all_reduces_its_input_where_its_consumers_would_all_reduce_
     where = {("transpose" if r["primitive"] == "transpose" else "output pin"): [m[1] for m in r["moves"]]
              for r in ex.rows if r["moves"]}
     assert where == {moved_at: [kind]}
-    assert ex.totals == {kind: (1, 12 * 8 * 4)}  # the same collective and bytes either way
+    assert ex.totals == {kind: (1, width * (width - 4) * 4)}  # the same collective and bytes either way
     out = jshard.jit(f, out_placements=(target, R))(*args)
     assert out.placements == (target, R)
     assert_close(out.full(), X.T @ Y, n=16, terms=np.abs(X).T @ np.abs(Y))
