@@ -1,6 +1,7 @@
 """Sharded initialisation: ``parallelize(constructor, ...)`` and ``jshard.jit(..., mesh=)`` create parameters
 directly in their placements, each device drawing only its own blocks, with the values of the eager
-single-device construction (bit for bit)."""
+single-device construction: the same random bits, and floats as the eager transform of them rounds them (XLA:CPU may
+round a transcendental function an ulp apart for another block shape: ``assert_within_ulps``)."""
 
 import math
 
@@ -13,8 +14,9 @@ from flax import nnx
 import jshard
 from conftest import make_mesh
 from jshard import DArray, Replicate, Shard
-from jshard.gpt import GPT, plan
+from jshard.gpt import GPT, plan, summed_terms
 from jshard.parallel import ColwiseParallel, FullyShard, RowwiseParallel, parallelize, placements_of
+from jshard.validate.tolerance import assert_close, assert_within_ulps
 
 R = Replicate()
 
@@ -47,9 +49,9 @@ def test_constructor_gives_the_eager_values_in_the_plan_placements(style, mesh_s
     ours, eager = leaves(nnx.state(model)), jax.tree.leaves(nnx.state(build()))
     assert len(ours) == len(eager) and all(isinstance(a, DArray) for a in ours)
     for a, b in zip(ours, eager):
-        np.testing.assert_array_equal(plain(a), plain(b))  # bit for bit
+        assert_within_ulps(plain(a), plain(b))  # keys and counts exactly
     ids = np.random.default_rng(0).integers(0, 48, (4, 8))
-    np.testing.assert_array_equal(np.asarray(model(ids).full()), np.asarray(built(ids).full()))
+    assert_close(np.asarray(model(ids).full()), np.asarray(built(ids).full()), n=summed_terms(48, 16, 2, 8, 4))
 
 
 def test_other_state_comes_as_eager_construction_leaves_it():
@@ -71,7 +73,7 @@ def test_other_state_comes_as_eager_construction_leaves_it():
     ours, theirs = nnx.state(model), nnx.state(eager)
     assert jax.tree.structure(ours, is_leaf=lambda a: isinstance(a, DArray)) == jax.tree.structure(theirs)
     for a, b in zip(leaves(ours), jax.tree.leaves(theirs)):
-        np.testing.assert_array_equal(plain(a), plain(b))
+        assert_within_ulps(plain(a), plain(b))
     assert all(isinstance(a, DArray) for a in leaves(nnx.state(model, nnx.Param)))
     assert not isinstance(model.norm.mean.get_value(), DArray)  # batch statistics stay plain arrays, as eagerly
     x = np.random.default_rng(1).normal(size=(4, 16)).astype(np.float32)

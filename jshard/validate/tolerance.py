@@ -27,11 +27,18 @@ import math
 
 import numpy as np
 
-__all__ = ["SLACK", "assert_close", "curve_ratio", "is_close", "rounding_bound"]
+__all__ = ["ELEMENTWISE_ULPS", "SLACK", "assert_close", "assert_within_ulps", "curve_ratio", "is_close",
+           "rounding_bound"]
 
 # two results each within ~eps*sqrt(n)*terms of the exact value, and a few elementwise roundings around the
 # sums (scaling, bias, activation): a factor of 4 over eps*sqrt(n)*terms, never a tuned number
 SLACK = 4.0
+
+# one elementwise float transform evaluated in two programs: XLA:CPU's vectorised and scalar forms of a
+# transcendental function may round apart by an ulp (erf_inv on jaxlib 0.12 with AVX-512, for a block 4 wide
+# and not for one 16 wide), and each of the few roundings after it (a truncated normal's sqrt(2), the
+# initialiser's scale) can carry that one step further: 1 + 3, never a tuned number
+ELEMENTWISE_ULPS = 4
 
 
 def _eps(*dtypes) -> float:
@@ -104,6 +111,44 @@ def assert_close(got, want, *, n: int = 1, terms=None, dtype=None, err_msg: str 
     why = _diff(got, want, n, terms, dtype)[0]
     if why is not None:
         raise AssertionError(f"{err_msg + ': ' if err_msg else ''}{why}")
+
+
+def assert_within_ulps(got, want, *, ulps: int = ELEMENTWISE_ULPS, err_msg: str = "") -> None:
+    """Raise ``AssertionError`` unless ``got`` equals ``want`` to ``ulps`` units in the last place per element:
+    the check for values computed elementwise (no sums) in two programs, such as parameters drawn on each
+    device against the eager draw. Exact dtypes compare exactly, and so do inf and NaN.
+
+    >>> x = np.float32([0.1, 0.3])
+    >>> assert_within_ulps(np.nextafter(x, np.float32(1)), x)
+    >>> assert_within_ulps(np.uint32([1, 2]), np.uint32([1, 2]))
+    """
+    got, want = np.asarray(got), np.asarray(want)
+    prefix = f"{err_msg + ': ' if err_msg else ''}"
+    if got.shape != want.shape or got.dtype != want.dtype:
+        raise AssertionError(f"{prefix}{got.dtype}{list(got.shape)} vs {want.dtype}{list(want.shape)}")
+    if want.dtype.kind not in "fc":  # exact dtypes exactly; bfloat16 and the float8s within one rounding
+        why = _diff(got, want, 1, None, None)[0]
+        if why is not None:
+            raise AssertionError(prefix + why)
+        return
+    parts = [(got.real, want.real), (got.imag, want.imag)] if want.dtype.kind == "c" else [(got, want)]
+    for g, w in parts:
+        special = ~np.isfinite(w)
+        if not np.array_equal(g[special], w[special], equal_nan=True) or not np.isfinite(g[~special]).all():
+            raise AssertionError(f"{prefix}inf/NaN elements differ")
+        apart = np.abs(_ordinal(g[~special]) - _ordinal(w[~special]))
+        if apart.size and apart.max() > ulps:
+            i = int(np.argmax(apart))
+            raise AssertionError(f"{prefix}{int((apart > ulps).sum())} of {apart.size} elements differ by more than "
+                                 f"{ulps} ulps; worst: got {g[~special][i]!r}, want {w[~special][i]!r}, "
+                                 f"{int(apart[i])} ulps apart")
+
+
+def _ordinal(x: np.ndarray) -> np.ndarray:
+    """Each float's place in the ordered sequence of floats of its dtype (neighbours differ by one; -0 is +0)."""
+    signed = np.dtype(f"int{8 * x.dtype.itemsize}")
+    bits = x.view(signed).astype(np.int64)
+    return np.where(bits < 0, np.iinfo(signed).min - bits, bits)
 
 
 def curve_ratio(got, want, *, n_per_step: int, dtype=np.float32) -> float:
