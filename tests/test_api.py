@@ -232,16 +232,18 @@ def test_consecutive_constraints_move_together_in_order():
     assert jshard.jit(f).lower(*args).as_text().count("stablehlo.reduce_scatter") == 1
 
 
-@pytest.mark.parametrize("target,width,moved_at", [(R, 12, "transpose"), (Shard(0), 12, "output pin"),
-                                                   (Shard(0), 512, "transpose")])
-def test_a_transpose_reduces_its_input_where_its_consumers_would_reduce_its_output(target, width, moved_at):
+@pytest.mark.parametrize("target,rows,width,moved_at", [(R, 16, 12, "transpose"), (Shard(0), 16, 12, "output pin"),
+                                                        (Shard(0), 16, 512, "output pin"),
+                                                        (Shard(0), 1024, 512, "transpose")])
+def test_a_transpose_reduces_its_input_where_its_consumers_would_reduce_its_output(target, rows, width, moved_at):
     # a weight gradient: a contraction over the data-parallel rows, then a transpose. Its sums are all-reduced
     # before the transpose (where the contraction made them, as GSPMD does; XLA then keeps the contraction in
-    # its fast form), the same bytes as after it; so is a reduce-scatter that goes alone (1 MB), while a small
-    # one stays with the pin, where pins share one
+    # its fast form), the same bytes as after it; so is a reduce-scatter that goes alone (1 MB) of a contraction
+    # that sums enough rows (512 a device: walk.SCATTER_FIRST_ROWS), while a small one stays with the pin, where
+    # pins share one, and so does one of few rows (the copy XLA makes to scatter costs more than the dot saves)
     mesh = make_mesh((2, 4))
     rng = np.random.default_rng(9)
-    X, Y = rng.normal(size=(16, width)).astype(np.float32), rng.normal(size=(16, width - 4)).astype(np.float32)
+    X, Y = rng.normal(size=(rows, width)).astype(np.float32), rng.normal(size=(rows, width - 4)).astype(np.float32)
     args = [jshard.distribute(X, mesh, (Shard(0), R)), jshard.distribute(Y, mesh, (Shard(0), R))]
 
     def f(x, y):
@@ -255,7 +257,7 @@ def test_a_transpose_reduces_its_input_where_its_consumers_would_reduce_its_outp
     assert ex.totals == {kind: (1, width * (width - 4) * 4)}  # the same collective and bytes either way
     out = jshard.jit(f, out_placements=(target, R))(*args)
     assert out.placements == (target, R)
-    assert_close(out.full(), X.T @ Y, n=16, terms=np.abs(X).T @ np.abs(Y))
+    assert_close(out.full(), X.T @ Y, n=rows, terms=np.abs(X).T @ np.abs(Y))
 
 
 def test_an_optimization_barrier_keeps_each_operand_as_it_is():

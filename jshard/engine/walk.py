@@ -263,10 +263,12 @@ def _reseat(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh, pi
     re-seated equation's own input slices become demands on the equations before it. A transpose also takes
     over its consumers' all-reduces, and the reduce-scatters that go alone (``_reduces_first``)."""
     uses: dict = {}
+    made_by: dict = {}
     for eq in equations:
         for i, op in enumerate(eq.operands):
             if not op.literal:
                 uses.setdefault(op.value, []).append((eq, i))
+        made_by.update((o, eq) for o in eq.outs if o is not None)
     returned = set()
     for o, pin in zip(outs, pinned):
         if isinstance(o, jc.Literal):
@@ -289,7 +291,7 @@ def _reseat(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh, pi
         saved = sum(plan_redistribute(env[o], w.placements).cost for o, w in zip(eq.outs, want) if w is not None)
         choice = select(eq.eqn.primitive, eq.eqn.params, specs, [o.aval for o in eq.eqn.outvars], consts=eq.consts,
                         mesh=mesh, want=want)
-        free = not _communicating(specs, choice.ins) or _reduces_first(eq, specs, choice)
+        free = not _communicating(specs, choice.ins) or _reduces_first(eq, specs, choice, made_by)
         if choice.outs != eq.choice.outs and free and choice.cost <= eq.choice.cost + saved + 1e-9:
             eq.choice = choice
             for o, spec in zip(eq.outs, choice.outs):
@@ -402,10 +404,11 @@ def _communicating(specs: list[Spec], targets) -> bool:
     return any(plan_redistribute(s, t.placements).collectives for s, t in zip(specs, targets) if s != t)
 
 
-def _reduces_first(eq: EquationPlan, specs: list[Spec], choice: Choice) -> bool:
+def _reduces_first(eq: EquationPlan, specs: list[Spec], choice: Choice, made_by: dict) -> bool:
     """May ``eq`` run as ``choice`` although its inputs then take a collective: a transpose whose inputs are
-    only all-reduced, or reduce-scattered where the scatter would not share a collective with others anyway
-    (``_reseat`` checks that it costs no more than its consumers' moves, the same bytes).
+    only all-reduced, or reduce-scattered where the scatter would not share a collective with others anyway and
+    the contraction that made the sums is long enough (``SCATTER_FIRST_ROWS``). ``_reseat`` checks that it costs
+    no more than its consumers' moves (the same bytes).
 
     A reduction of a transpose's input is one of its output, but where it sits matters to XLA: right after the
     contraction that made the pending sums (where GSPMD's partitioner puts it), XLA folds the transpose into the
@@ -416,8 +419,28 @@ def _reduces_first(eq: EquationPlan, specs: list[Spec], choice: Choice) -> bool:
     if eq.eqn.primitive.name != "transpose":
         return False
     moves = [plan_redistribute(s, t.placements) for s, t in zip(specs, choice.ins) if s != t]
-    return all(step.emitted == "all_reduce" or (step.kind == "reduce_scatter" and not shares_collective(step, m))
-               for m in moves for step in m.steps if step.is_collective)
+    steps = [(step, m) for m in moves for step in m.steps if step.is_collective]
+    if all(step.emitted == "all_reduce" for step, _ in steps):
+        return True
+    return (all(step.emitted == "all_reduce" or (step.kind == "reduce_scatter" and not shares_collective(step, m))
+                for step, m in steps)
+            and all(_summed_rows(made_by.get(op.value)) >= SCATTER_FIRST_ROWS for op in eq.operands if not op.literal))
+
+
+# a reduce-scatter on a transposed gradient's non-leading dim makes XLA:CPU copy the gradient first (time in its
+# size), and saves the contraction's slow transposed-output form (time in its size times the rows it sums):
+# measured on the GPT's FSDP8 step at width 512, the scatter first cost 4% per step at 256 rows a device and saved
+# 4.5% at 1024, so it pays from about 512
+SCATTER_FIRST_ROWS = 512
+
+
+def _summed_rows(eq: EquationPlan | None) -> int:
+    """How many terms each output element of ``eq`` sums on a device: a contraction's local contracted length
+    (0 for anything else)."""
+    if eq is None or eq.eqn.primitive.name != "dot_general":
+        return 0
+    (contract, _), _ = eq.eqn.params["dimension_numbers"]
+    return math.prod(eq.choice.ins[0].local_block_shape[d] for d in contract)
 
 
 def _choosable(eq: EquationPlan) -> bool:
