@@ -34,7 +34,7 @@ from .planner import DEFAULT_COST_MODEL, Plan, Step
 from .spec import Spec, block_of, block_sharding, local_of
 
 __all__ = ["BUCKET_BYTES", "compile_plan", "local_program", "local_programs", "ordered_reduce", "reduce_identity",
-           "shared_collectives", "shares_collective"]
+           "shared_collectives"]
 
 # the most a device's buffer of reduce-scatters sharing one collective holds (XLA:GPU's combiners use a few tens of
 # MB too): bigger buckets save no latency, and every array in one waits for the last to be ready
@@ -133,7 +133,7 @@ def _buckets(plans: Sequence[Plan]) -> list[list[list[int]]]:
         groups: dict = {}
         for i, p in enumerate(plans):
             step = p.steps[k] if k < len(p.steps) else None
-            if step is not None and shares_collective(step, p):
+            if step is not None and _shares(step, p):
                 groups.setdefault((step.kind, step.axes, np.dtype(p.src.dtype)), []).append(i)
         rounds = []
         for members in groups.values():
@@ -150,7 +150,7 @@ def _buckets(plans: Sequence[Plan]) -> list[list[list[int]]]:
     return out
 
 
-def shares_collective(step: Step, plan: Plan) -> bool:
+def _shares(step: Step, plan: Plan) -> bool:
     """May ``step`` share its collective: a sum reduce-scatter or an all-gather whose collective costs about as much
     in latency as in bytes, or more (by the default cost model)? A larger array gains little from sharing the
     latency and pays for being copied into and out of the shared buffer."""
