@@ -234,13 +234,13 @@ def test_consecutive_constraints_move_together_in_order():
 
 @pytest.mark.parametrize("target,rows,width,moved_at", [(R, 16, 12, "transpose"), (Shard(0), 16, 12, "output pin"),
                                                         (Shard(0), 16, 512, "output pin"),
-                                                        (Shard(0), 1024, 12, "transpose"),
-                                                        (Shard(0), 1024, 512, "transpose")])
+                                                        (Shard(0), 2048, 12, "transpose"),
+                                                        (Shard(0), 2048, 512, "transpose")])
 def test_a_transpose_reduces_its_input_where_its_consumers_would_reduce_its_output(target, rows, width, moved_at):
     # a weight gradient: a contraction over the data-parallel rows, then a transpose. Its sums are all-reduced
     # before the transpose (where the contraction made them, as GSPMD does; XLA then keeps the contraction in
-    # its fast form), the same bytes as after it; so are they reduce-scattered where the contraction sums 512 rows
-    # a device or more (walk.SCATTER_FIRST_ROWS), small or large; with fewer rows the scatter stays with the pin
+    # its fast form), the same bytes as after it; so are they reduce-scattered where the contraction sums 1024
+    # rows a device or more (walk.SCATTER_FIRST_ROWS), small or large; with fewer rows the scatter stays with the pin
     # (XLA's copy to scatter a non-leading dim would cost more than the faster dot saves)
     mesh = make_mesh((2, 4))
     rng = np.random.default_rng(9)

@@ -413,8 +413,8 @@ def _reduces_first(eq: EquationPlan, specs: list[Spec], choice: Choice, made_by:
     consumers, while a transpose between them is folded into the contraction, which XLA:CPU then runs outside
     its fast matmul kernels (13 of the 51 dots of the GPT's DP2 x TP4 training step, its weight gradients). A
     gradient scattered so no longer shares the collective of the gradients scattered at their pins: measured on
-    the GPT's FSDP2 x TP4 step, the faster dots gain more than the shared rendezvous saved (toy: 44 against 50
-    ms a step; width 512: 1585 against 1668 ms)."""
+    the GPT's FSDP2 x TP4 step at width 512 and 1024 rows a device, the faster dots gain more than the shared
+    rendezvous saved (1585 against 1668 ms a step)."""
     if eq.eqn.primitive.name != "transpose":
         return False
     moves = [plan_redistribute(s, t.placements) for s, t in zip(specs, choice.ins) if s != t]
@@ -426,10 +426,10 @@ def _reduces_first(eq: EquationPlan, specs: list[Spec], choice: Choice, made_by:
 
 
 # a reduce-scatter on a transposed gradient's non-leading dim makes XLA:CPU copy the gradient first (time in its
-# size), and saves the contraction's slow transposed-output form (time in its size times the rows it sums):
-# measured on the GPT's FSDP8 step at width 512, the scatter first cost 4% per step at 256 rows a device and saved
-# 4.5% at 1024, so it pays from about 512
-SCATTER_FIRST_ROWS = 512
+# size), and saves the contraction's slow transposed-output form (time in its size times the rows it sums).
+# Measured on the GPT's FSDP steps, scatter first against at the pin: width 512, 256 rows a device +4% a step,
+# 1024 rows -4.5% (FSDP8) and -5% (FSDP2 x TP4); width 1024, 512 rows +6% (FSDP8), 2048 rows -5% (FSDP2 x TP4)
+SCATTER_FIRST_ROWS = 1024
 
 
 def _summed_rows(eq: EquationPlan | None) -> int:
