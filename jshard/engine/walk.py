@@ -428,7 +428,8 @@ def _reduces_first(eq: EquationPlan, specs: list[Spec], choice: Choice, made_by:
 # a reduce-scatter on a transposed gradient's non-leading dim makes XLA:CPU copy the gradient first (time in its
 # size), and saves the contraction's slow transposed-output form (time in its size times the rows it sums).
 # Measured on the GPT's FSDP steps, scatter first against at the pin: width 512, 256 rows a device +4% a step,
-# 1024 rows -4.5% (FSDP8) and -5% (FSDP2 x TP4); width 1024, 512 rows +6% (FSDP8), 2048 rows -5% (FSDP2 x TP4)
+# 1024 rows -4.5% (FSDP8) and -3%, then -5% more with its small gradients too (FSDP2 x TP4); width 1024, 512 rows
+# +6% (FSDP8), 2048 rows -5% (FSDP2 x TP4)
 SCATTER_FIRST_ROWS = 1024
 
 
