@@ -246,9 +246,13 @@ def _partial_ok(dtype, op: str) -> bool:
     return dtype != np.bool_ and not (dtype.kind == "c" and op in ("max", "min"))  # complex numbers have no order
 
 
-def _score(p: Placement) -> int:
-    # a pending reduction is not memory saved: only shards count as "keeping sharding"
-    return 1 if p.is_shard else 0
+def _kept_shards(col: Column) -> int:
+    """The outputs ``col`` keeps sharded, the tie-break between equally cheap columns. A pending reduction is not
+    memory saved, and a shard made from whole inputs (a broadcast's new dim) is a slice, not sharding kept: it
+    is made where the consumers ask for it (the walk's look back), never preferred on its own."""
+    if all(p.is_replicate for p in col.ins):
+        return 0
+    return sum(1 for p in col.outs if p.is_shard)
 
 
 def per_axis_product(lists):
@@ -319,7 +323,7 @@ class Selection:
                     lookup.setdefault(ins, []).append(Column(c.outs, ins, c.even))
         for v in lookup.values():
             if len(v) > 1:
-                v.sort(key=lambda c: -sum(map(_score, c.outs)))
+                v.sort(key=lambda c: -_kept_shards(c))
         return cols, lookup
 
     def current(self, m: int) -> tuple[Placement, ...]:
@@ -401,7 +405,7 @@ class Selection:
                     cost += self._hop(col.outs[j], w.placements[m], self._made_bytes(w, col.outs[j], m), m)[0]
                     changes += 1  # at equal cost, producing what is wanted beats leaving the inputs alone
             if cost < math.inf:
-                opts.append(((cost, changes, -sum(map(_score, col.outs))), col))
+                opts.append(((cost, changes, -_kept_shards(col)), col))
         opts.sort(key=lambda o: o[0])
         return opts
 

@@ -17,7 +17,7 @@ from jshard.darray import DArray
 from jshard.engine import local_equation
 from jshard.propagate import select
 from jshard.rules.shapes import blocks_reshape, unit_presence
-from jshard.spec import block_of, block_sharding
+from jshard.spec import block_of, block_sharding, local_of
 from jshard.validate.core import collect, run_equation, validate, walk_samples
 from jshard.validate.samples import shapes as samples_module
 from oracle import check_darray, local_blocks
@@ -180,6 +180,33 @@ def test_broadcast_keeps_mapped_dims_and_squeeze_drops_unit_dims():
     assert choice.cost == 0 and out.placements == (Shard(0), Shard(2))
     (out,), choice = run(lambda a: jnp.squeeze(a, 1), [ints((5, 1, 7))], [(Shard(2), Shard(0))], (2, 4))
     assert choice.cost == 0 and out.placements == (Shard(1), Shard(0))
+
+
+@pytest.mark.parametrize("operand, shape, dims, src, dst", [
+    ((), (5, 7), (), (R, R), (Shard(0), Shard(1))),  # a scalar to uneven shards of both new dims
+    ((7,), (5, 7), (1,), (R, Shard(0)), (Shard(0), Shard(1))),  # a new leading dim next to a mapped one
+    ((5, 1), (5, 6), (0, 1), (R, Shard(0)), (StridedShard(1, 2), Shard(0))),  # broadcast from 1, strided
+    ((), (3, 2), (), (R, R), (Shard(0), Shard(0))),  # 3 rows over 8 devices: empty shards
+])
+def test_broadcast_makes_each_device_its_shard_of_a_new_dim(operand, shape, dims, src, dst):
+    mesh = make_mesh((2, 4))
+    x = jshard.distribute(ints(operand), mesh, src)
+    prim, params = equation(lambda a: lax.broadcast_in_dim(a, shape, dims), x.full())
+    spec = Spec.create(mesh, dst, shape, "float32")
+    fn = local_equation(prim, params, (x.spec,), (spec,))
+    body = lambda b: [block_of(o) for o in fn(local_of(b, x.spec))]
+    block = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=block_sharding(mesh).spec,
+                                  out_specs=[block_sharding(mesh).spec], check_vma=False))(x.block)[0]
+    check_darray(DArray(block, spec), np.asarray(lax.broadcast_in_dim(x.full(), shape, dims)))
+
+
+def test_a_broadcast_constant_meets_sharded_operands_without_a_slice():
+    # jnp.maximum's gradient broadcasts 1.0 and 0.0 to the global shape: each device makes its block
+    mesh = make_mesh((2, 4))
+    x = jshard.distribute(ints((5, 6)), mesh, [Shard(0), Shard(1)])
+    f = jshard.jit(lambda a: jnp.where(a > 0, jnp.ones(a.shape), jnp.zeros(a.shape)))
+    check_darray(f(x), np.where(np.asarray(x.full()) > 0, 1.0, 0.0))
+    assert "dynamic_slice" not in f.lower(x).as_text()
 
 
 def test_rev_keeps_only_unreversed_shards():

@@ -9,7 +9,8 @@ index. So on one mesh axis the question is only *where* elements sit:
   Replicate operand already is a ``P(avg|max|min)`` (the value on every coordinate) and becomes a
   ``P(sum)`` for free. Start indices are scalars, always Replicate.
 - **a dim the primitive leaves alone keeps any shard**, renumbered: transpose permutes dims, squeeze drops
-  unit dims, broadcast_in_dim maps operand dims into the output (a dim broadcast from 1 is whole).
+  unit dims, broadcast_in_dim maps operand dims into the output. A dim the broadcast makes (new, or
+  from 1) repeats one value, so a device broadcasts a Replicate operand straight to its shard of it.
   slice, dynamic_slice, pad, concatenate, split and rev keep every dim they do not cut, shift, join or
   mirror. A dim they do touch needs offsets the device does not have, so it stays whole, unless the
   primitive takes all of it (a full-range slice). Padding rows of an uneven shard stay padding rows.
@@ -143,7 +144,9 @@ def _broadcast_in_dim(ins, outs, params) -> list[tuple]:
     x, y = ins[0], outs[0]
     dims = [int(e) for e in params["broadcast_dimensions"]]
     kept = [(e, d) for d, e in enumerate(dims) if x.shape[d] == y.shape[e]]  # not a broadcast from 1
-    return _kept(kept) + _partials(1, [True]) + unit_presence(ins, outs)
+    # a dim made by the broadcast repeats one value: a device broadcasts straight to its shard of it
+    made = [(Φ(e), R) for e in range(len(y.shape)) if e not in {o for o, _ in kept}]
+    return _kept(kept) + made + _partials(1, [True]) + unit_presence(ins, outs)
 
 
 # -- reshape ---------------------------------------------------------------------------------------
