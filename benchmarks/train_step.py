@@ -9,7 +9,8 @@ programs, caches emptied, alternating which side goes first; median of ``--first
 the loss curves (they must agree). Prints a table and writes JSON.
 
     python benchmarks/train_step.py [--layers 2] [--steps 10] [--rounds 10] [--size toy|compute|large]
-                                    [--first-calls 3] [--setups tp4,sp] [--out benchmarks/results/train_step.json]
+                                    [--first-calls 3] [--setups tp4,sp] [--fsdp-unit module|block]
+                                    [--out benchmarks/results/train_step.json]
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def traffic(compiled) -> dict:
             "temp_plus_args_bytes": int(m.temp_size_in_bytes + m.argument_size_in_bytes)}
 
 
-def run(name: str, layers: int, steps: int, rounds: int, first_calls: int) -> dict:
+def run(name: str, layers: int, steps: int, rounds: int, first_calls: int, unit: str = "module") -> dict:
     shape, names, style, fsdp = SETUPS[name]
     n = int(np.prod(shape))
     devices = jax.devices() if len(jax.devices()) >= n else jax.devices("cpu")
@@ -71,6 +72,8 @@ def run(name: str, layers: int, steps: int, rounds: int, first_calls: int) -> di
 
     # (a) jshard
     styles, default = plan(style, dp="dp", tp=names[-1])
+    if unit == "block" and (fsdp or style == "fsdp"):  # torchtitan's fully_shard(block): one gather a block
+        styles = {**styles, **{f"blocks/{i}": FullyShard("dp") for i in range(layers)}}
     model = parallelize(make, mesh, styles, default=(FullyShard("dp"),) if fsdp else default)
     dbatches = [[jshard.distribute(a, mesh, data) for a in b] for b in batches]
 
@@ -176,6 +179,9 @@ def main():
     ap.add_argument("--first-calls", type=int, default=3, help="first calls timed per side (fresh programs)")
     ap.add_argument("--size", choices=list(SIZES), default="toy")
     ap.add_argument("--setups", default="", help=f"comma-separated, of {', '.join(SETUPS)} (default: all)")
+    ap.add_argument("--fsdp-unit", choices=["module", "block"], default="module",
+                    help="what FSDP gathers together: each module holding parameters (default=FullyShard), or each "
+                         "transformer block (FullyShard matched on blocks/i, as torchtitan)")
     args = ap.parse_args()
     if not 2 <= args.first_calls <= args.steps:
         ap.error(f"--first-calls must be at least 2 (the side that goes first alternates, so the process's warm-up "
@@ -183,9 +189,9 @@ def main():
     global VOCAB, DIM, HEADS, SEQ, BATCH
     VOCAB, DIM, HEADS, SEQ, BATCH = SIZES[args.size]
     names = args.setups.split(",") if args.setups else list(SETUPS)
-    rows = [run(name, args.layers, args.steps, args.rounds, args.first_calls) for name in names]
+    rows = [run(name, args.layers, args.steps, args.rounds, args.first_calls, args.fsdp_unit) for name in names]
     print(f"GPT: vocab {VOCAB}, width {DIM}, {HEADS} heads, sequence {SEQ}, batch {BATCH}, {args.layers} layers; "
-          f"{args.steps} steps per round, {args.rounds} interleaved rounds\n")
+          f"{args.steps} steps per round, {args.rounds} interleaved rounds; FSDP unit: {args.fsdp_unit}\n")
     print(f"{'setup':<10} {'step ms jshard':>15} {'jax.jit':>8} {'ratio med (min-max)':>20} {'collectives':>12} "
           f"{'GSPMD':>6} {'recv KB/dev':>12} {'GSPMD':>8} {'temp+args MB':>13} {'GSPMD':>7} {'first s':>8} "
           f"{'jax.jit':>8} {'ratio (min-max)':>16} {'CPU ratio (min-max)':>20} {'losses':>7}")
@@ -202,7 +208,8 @@ def main():
               f"{'agree' if r['losses_agree'] else 'DIFFER':>7}")
     print("\ntargets: ratio <= 1.00, collectives and received bytes <= GSPMD's, temp+args <= GSPMD's, first call "
           "<= 1.2x")
-    write_json(args.out, rows=rows, size=args.size, vocab=VOCAB, dim=DIM, seq=SEQ, batch=BATCH)
+    write_json(args.out, rows=rows, size=args.size, vocab=VOCAB, dim=DIM, seq=SEQ, batch=BATCH,
+               fsdp_unit=args.fsdp_unit)
 
 
 if __name__ == "__main__":

@@ -87,6 +87,36 @@ def test_fsdp_inside_tp_gathers_and_reduce_scatters_with_one_collective_each():
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
 
 
+@pytest.mark.parametrize("units", ["blocks", "root and one block"])
+def test_fully_shard_on_a_module_gathers_every_parameter_inside_it_together(units):
+    """torch's fully_shard(block): a FullyShard matched on a module without parameters of its own shards every
+    parameter inside it that no nearer FullyShard takes, and gathers them together when the module runs (one
+    all-gather a unit); TP styles inside keep their axis, with FSDP cutting inside each TP block."""
+    mesh = make_mesh((2, 4))
+    p, _ = plan("tp")
+    fsdp = ({f"blocks/{i}": FullyShard("dp") for i in range(L)} if units == "blocks" else
+            {"": FullyShard("dp"), "blocks/1": FullyShard("dp")})
+    model = parallelize(gpt(), mesh, {**p, **fsdp})
+    blk = model.blocks[0]
+    assert blk.q.kernel.get_value().placements == (Shard(0), Shard(1))
+    assert blk.q.bias.get_value().placements == (StridedShard(0, 4), Shard(0))
+    assert blk.ln1.scale.get_value().placements == (Shard(0), R)
+    head = model.head.kernel.get_value().placements
+    assert head == ((R, Shard(1)) if units == "blocks" else (Shard(0), Shard(1)))
+    step = TrainStep(model, optax.sgd(0.1), loss_fn)
+    ids, labels = batch()
+    data = [jshard.distribute(a, mesh, [Shard(0), R]) for a in (ids, labels)]
+    ex = step.explain(*data)
+    moves = [(m, shared) for r in ex.rows for m, shared in zip(r["moves"], r["shared"]) if m[1] == "all_gather"]
+    fsdp = [shared for m, shared in moves if m[2] == ("dp",)]
+    assert len(fsdp) > 2 and all(fsdp)  # the parameters' gathers, each sharing its unit's collective
+    assert ex.totals["all_gather"][0] == sum(m[2] != ("dp",) for m, _ in moves) + 2  # two units: two gathers
+    reference = one_device_trainer(gpt(), optax.sgd(0.1), loss_fn)
+    ours = [float(step(*data)) for _ in range(2)]
+    theirs = [reference(jnp.asarray(ids), jnp.asarray(labels)) for _ in range(2)]
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5)
+
+
 def test_mistakes_are_named():
     mesh = make_mesh((2, 4))
     with pytest.raises(ValueError, match=r"mesh axis 'model'.*mesh\(dp=2, tp=4\)"):
@@ -97,6 +127,8 @@ def test_mistakes_are_named():
         parallelize(gpt(), mesh, {"head": [ColwiseParallel("tp"), RowwiseParallel("tp")]})
     with pytest.raises(ValueError, match=r"parameter 'scale' \(16,\) of LayerNorm"):
         parallelize(gpt(), mesh, {"ln": ColwiseParallel("tp")})
+    with pytest.raises(ValueError, match=r"FullyShard at blocks gathers .* List is called, and it is never called"):
+        parallelize(gpt(), mesh, {"blocks": FullyShard("dp")})
 
 
 def test_flax_sharding_annotations_become_placements():

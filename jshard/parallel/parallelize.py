@@ -3,9 +3,11 @@
 The plan maps module paths (``"blocks/*/mlp/fc1"``, glob patterns over the path of attribute names and list
 indices joined by ``/``) to styles; each parameter takes, per mesh axis, the placement its module's styles
 give there, else its Flax sharding annotation (``nnx.with_partitioning`` names, resolved through ``rules``),
-else Replicate. Matched modules with an input or output constraint are given a ``__call__`` that applies it
-through ``jshard.constrain``. A parallelized module called eagerly (outside ``jshard.jit``, on DArray
-parameters) runs as one cached ``jshard.jit`` program and returns DArrays, so ``model(x)`` works as before.
+else Replicate; a ``FullyShard`` matched on a module also places the parameters of the modules inside it (FSDP's
+unit, torch's ``fully_shard(block)``). Matched modules with an input or output constraint, and FSDP units, are
+given a ``__call__`` that applies it through ``jshard.constrain`` (a unit's parameters gathered together). A
+parallelized module called eagerly (outside ``jshard.jit``, on DArray parameters) runs as one cached
+``jshard.jit`` program and returns DArrays, so ``model(x)`` works as before.
 
 It is all or nothing: arguments, plan and styles are checked and every parameter's DArray is built before the
 model changes, so a mistake raises with the model untouched.
@@ -70,7 +72,8 @@ def parallelize(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh,
     for small models: its parameters are distributed from where they are.
 
     ``plan``: ``{module path pattern: style or [styles]}`` (first matching pattern wins; ``""`` is the model
-    itself); ``default``: styles applied to every parameter first (say ``FullyShard("dp")``); ``rules``:
+    itself; a ``FullyShard`` also takes the parameters of the modules inside its own, gathering them together);
+    ``default``: styles applied to every parameter first (say ``FullyShard("dp")``); ``rules``:
     ``(logical name, mesh axis)`` pairs resolving ``nnx.with_partitioning`` names. The parameters stay DArrays
     through ``nnx.split`` / ``nnx.merge`` / ``nnx.state`` and ``jshard.jit``.
 
@@ -119,7 +122,7 @@ def parallelize(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh,
         raise ValueError(f"parallelize: plan pattern(s) {unused} match no module; module paths are "
                          f"{sorted('/'.join(map(str, p)) for p in modules if p)[:12]}")
 
-    params, owners = [], set()
+    params, owners, gathers = [], set(), {}
     for path, var in nnx.iter_graph(model):
         if not isinstance(var, nnx.Param):
             continue
@@ -129,10 +132,18 @@ def parallelize(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh,
         full = value.full() if isinstance(value, DArray) else value
         shape = tuple(full.shape)
         placements = list(_annotated(var, mesh, shape, full.dtype, rules))
-        styles = default + matched[owner_path]
-        for style in styles:
+        placing = _placing(owner_path, default, matched)
+        for style, unit in placing.values():
             placements[names.index(style.axis)] = style.param(modules[owner_path], str(path[-1]), shape)
-        params.append((var, full, _fsdp_inside(placements, styles, mesh)))
+            if style.compute is not None:
+                gathers.setdefault(unit, {}).setdefault(path[len(unit):], []).append((style.axis, style.compute))
+        params.append((var, full, _fsdp_inside(placements, [s for s, _ in placing.values()], mesh)))
+    for unit in gathers:
+        if not callable(modules[unit]):
+            raise ValueError(f"parallelize: FullyShard at {'/'.join(map(str, unit)) or 'the root module'} gathers the "
+                             f"parameters inside it when {type(modules[unit]).__name__} is called, and it is never "
+                             "called (it has no __call__); match the modules it holds instead, one unit each (say "
+                             "{f'blocks/{i}': FullyShard('dp') for i in range(layers)})")
     if build is None:
         values = [distribute(full, mesh, placements) for _, full, placements in params]
     else:
@@ -147,7 +158,7 @@ def parallelize(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh,
             continue
         io = tuple((s.axis, s.input, s.output, s.pin_input_gradient) for s in styles
                    if s.input is not None or s.output is not None)
-        gather = tuple((s.axis, s.compute) for s in default + styles if s.compute is not None) if path in owners else ()
+        gather = tuple((rel, tuple(axes)) for rel, axes in gathers.get(path, {}).items())  # nnx.iter_graph order
         base = getattr(type(module), "_unconstrained", type(module))  # parallelizing again replaces, never stacks
         classes[path] = _constrained(base, io, gather) if io or gather or path in holders else base
 
@@ -325,25 +336,40 @@ def _annotated(var, mesh: Mesh, shape, dtype, rules: dict[str, Any]) -> tuple[Pl
     return Spec.from_named_sharding(NamedSharding(mesh, spec), tuple(shape), dtype).placements
 
 
+def _placing(owner: tuple, default: tuple, matched: dict) -> dict[str, tuple[ParallelStyle, tuple]]:
+    """Per mesh axis, the style placing the parameters of the module at ``owner`` and the module that gathers
+    them (FSDP's unit): the module's own styles, else a gathered style (``FullyShard``) matched on the nearest
+    module above it, as torch's ``fully_shard(block)`` takes every parameter inside the block that no nested
+    ``fully_shard`` took, else the default styles (each module its own unit)."""
+    placing = {s.axis: (s, owner) for s in default}
+    for i in range(len(owner)):  # from the root down: a nearer unit takes over
+        for s in matched.get(owner[:i], ()):
+            if s.compute is not None:
+                placing[s.axis] = (s, owner[:i])
+    placing.update((s.axis, (s, owner)) for s in matched[owner])
+    return placing
+
+
 @memo(1024)
 def _constrained(cls: type, io: tuple, gather: tuple) -> type:
     """``cls`` whose ``__call__`` constrains its first input and its outputs on the styles' axes, and runs
-    with its own parameters at their compute placements (FSDP's gather; the gradient is left to find its
-    way back to the shard). Called outside ``jshard.jit`` (its parameters DArrays, not tracers), it runs
-    itself through ``jshard.jit`` (see ``_eagerly``)."""
+    with the parameters it gathers at their compute placements (FSDP's gather, of a unit's parameters
+    together; the gradient is left to find its way back to the shard). ``gather``: per parameter, its path
+    below the module and its ``(axis, compute placement)`` pairs. Called outside ``jshard.jit`` (its parameters
+    DArrays, not tracers), it runs itself through ``jshard.jit`` (see ``_eagerly``)."""
     inputs = {axis: p for axis, p, _, _ in io if p is not None}
     outputs = {axis: p for axis, _, p, _ in io if p is not None}
     pin = all(pin_input for *_, pin_input in io)
-    compute = dict(gather)
+    computes = [dict(axes) for _, axes in gather]
 
     def __call__(self, *args, **kwargs):
         if _outside_jit(self, args, kwargs):
             return _eagerly(self, args, kwargs)
         if inputs and args:
             args = (constrain(args[0], inputs, pin_gradient=pin),) + args[1:]
-        params = [v for v in vars(self).values() if isinstance(v, nnx.Param)] if compute else []
+        params = [_below(self, rel) for rel, _ in gather]
         stored = [v.get_value() for v in params]
-        for v, value in zip(params, stored):
+        for v, value, compute in zip(params, stored, computes):
             v.set_value(constrain(value, compute, pin_gradient=False))
         try:
             out = super(sub, self).__call__(*args, **kwargs)
@@ -355,6 +381,13 @@ def _constrained(cls: type, io: tuple, gather: tuple) -> type:
     sub = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
                                       "__qualname__": cls.__qualname__, "_unconstrained": cls})
     return sub
+
+
+def _below(module: nnx.Module, path: tuple) -> Any:
+    """The node at ``path`` (attribute names and list indices, as ``nnx.iter_graph`` gives them) below ``module``."""
+    for key in path:
+        module = getattr(module, key) if isinstance(key, str) and hasattr(module, key) else module[key]
+    return module
 
 
 def _outside_jit(module: nnx.Module, args: tuple, kwargs: dict) -> bool:

@@ -157,6 +157,11 @@ class FullyShard(ParallelStyle):
     whole and the gradient, a ``Partial(sum)`` over the data axis, is reduce-scattered back to the shard.
     Parameters without that dim (scalars) stay replicated.
 
+    The module it is matched on is the unit gathered together while it runs: as a ``default=`` style, each
+    module holding parameters; matched on a module above them (a transformer block, as torch's
+    ``fully_shard(block)``), every parameter inside it that no nearer ``FullyShard`` takes, gathered in one
+    collective where they are small enough to share one.
+
     >>> from flax import nnx
     >>> FullyShard("dp").param(nnx.Linear(8, 16, rngs=nnx.Rngs(0)), "kernel", (8, 16))
     S(0)
