@@ -72,9 +72,11 @@ def run(name: str, layers: int, steps: int, rounds: int, first_calls: int, unit:
 
     # (a) jshard
     styles, default = plan(style, dp="dp", tp=names[-1])
-    if unit == "block" and (fsdp or style == "fsdp"):  # torchtitan's fully_shard(block): one gather a block
-        styles = {**styles, **{f"blocks/{i}": FullyShard("dp") for i in range(layers)}}
-    model = parallelize(make, mesh, styles, default=(FullyShard("dp"),) if fsdp else default)
+    default = (FullyShard("dp"),) if fsdp else default
+    if unit == "block" and FullyShard("dp") in default:  # torchtitan: fully_shard(block) each, fully_shard(root)
+        units = {"": FullyShard("dp"), **{f"blocks/{i}": FullyShard("dp") for i in range(layers)}}
+        styles, default = {**styles, **units}, ()
+    model = parallelize(make, mesh, styles, default=default)
     dbatches = [[jshard.distribute(a, mesh, data) for a in b] for b in batches]
 
     # (b) jax.jit with the same placements as NamedShardings (GSPMD / Shardy partitions the program)

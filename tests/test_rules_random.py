@@ -178,8 +178,14 @@ def test_select_batched_keys_stay_sharded():
     assert c.cost == 0 and c.outs[0].placements == (Shard(0), R)
     bits = jax.make_jaxpr(jax.vmap(lambda k: jax.random.bits(k, (4,))))(keys).jaxpr.eqns[-1]
     c = select(bits.primitive, bits.params, [ks], [bits.outvars[0].aval])
-    # the keys stay put, and with a Shard among the inputs the draws of each key also split over tp (each
-    # device draws a quarter; test_batched_keys_sharded_with_their_draws runs exactly this layout)
+    # the keys stay put; each key's draws stay whole over tp, where its keys are whole: a split made from whole
+    # inputs is made where the consumers ask for it (a dropout mask on tp-replicated activations must not be
+    # gathered back)
+    assert c.cost == 0 and c.ins[0].placements == (Shard(0), R) and c.outs[0].placements == (Shard(0), R)
+    # asked for, they split over tp at no cost: each device draws a quarter (test_batched_keys_sharded_with_their_draws
+    # runs exactly this layout)
+    split = Spec.create(mesh, (Shard(0), Shard(1)), (6, 4), np.uint32)
+    c = select(bits.primitive, bits.params, [ks], [bits.outvars[0].aval], want=[split])
     assert c.cost == 0 and c.ins[0].placements == (Shard(0), R) and c.outs[0].placements == (Shard(0), Shard(1))
 
 
