@@ -8,7 +8,7 @@ axis the filled rule columns are sorted by what moving the inputs there costs (a
 mesh (no mixed Partial kinds, evenly sharded where a rule reads across a dim, the rule's own check) is
 the answer, and nothing cheaper exists. Usually it is the very first pop: the inputs already match a
 rule on every axis and nothing moves. Size-1 axes are skipped; ties go to fewer changed inputs, then to
-outputs that keep more sharding. Results are memoised per (primitive, params, input specs).
+outputs that keep more of their inputs' sharding. Results are memoised per (primitive, params, input specs).
 
 >>> import jax, jax.numpy as jnp
 >>> from jshard import Spec, Shard, Partial, Replicate
