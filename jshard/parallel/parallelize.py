@@ -292,7 +292,7 @@ def _check_axes(styles, names, mesh, where) -> None:
         if s.axis not in names:
             raise ValueError(f"parallelize: {s} at {where or 'the root module'} names mesh axis {s.axis!r}, but the "
                              f"mesh is {format_mesh(mesh)}; pass axis= one of {names}")
-        if s.axis in seen:
+        if s.axis in seen and seen[s.axis] != s:  # the default's FullyShard matched again: it marks a unit
             raise ValueError(f"parallelize: {seen[s.axis]} and {s} both place {where or 'the root module'} on mesh "
                              f"axis {s.axis!r}; give each axis one style")
         seen[s.axis] = s
