@@ -118,6 +118,27 @@ def test_fully_shard_on_a_module_gathers_every_parameter_inside_it_together(unit
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
 
 
+def test_default_fully_shard_of_a_module_never_called_gathers_where_its_parameters_are_used():
+    # only a FullyShard matched on a module that is never called is refused: as a default, such a module's
+    # parameters (held for a parent that reads them) are gathered where they are used, as before units
+    class Scales(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.arange(32.0).reshape(8, 4))
+
+    class Holder(nnx.Module):
+        def __init__(self):
+            self.s = Scales()
+
+        def __call__(self, x):
+            return x @ self.s.w[...]
+
+    mesh = make_mesh((8,))
+    model = parallelize(Holder(), mesh, default=FullyShard(mesh.axis_names[0]))
+    assert model.s.w.get_value().placements == (Shard(0),)
+    x = np.ones((2, 8), np.float32)
+    np.testing.assert_array_equal(np.asarray(model(jnp.asarray(x)).full()), x @ np.arange(32.0).reshape(8, 4))
+
+
 def test_mistakes_are_named():
     mesh = make_mesh((2, 4))
     with pytest.raises(ValueError, match=r"mesh axis 'model'.*mesh\(dp=2, tp=4\)"):

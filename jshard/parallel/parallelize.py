@@ -138,8 +138,8 @@ def parallelize(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh,
             if style.compute is not None:
                 gathers.setdefault(unit, {}).setdefault(path[len(unit):], []).append((style.axis, style.compute))
         params.append((var, full, _fsdp_inside(placements, [s for s, _ in placing.values()], mesh)))
-    for unit in gathers:
-        if not callable(modules[unit]):
+    for unit in gathers:  # a default unit never called is gathered where used; a matched one would mislead
+        if not callable(modules[unit]) and any(s.compute is not None for s in matched[unit]):
             raise ValueError(f"parallelize: FullyShard at {'/'.join(map(str, unit)) or 'the root module'} gathers the "
                              f"parameters inside it when {type(modules[unit]).__name__} is called, and it is never "
                              "called (it has no __call__); match the modules it holds instead, one unit each (say "
