@@ -146,6 +146,48 @@ def test_vocabulary_parallel_cross_entropy_keeps_the_logits_sharded():
     assert_close(gw.full(), want_w, n=n + 8 * 64)  # and over the rows
 
 
+def test_the_loss_gradient_is_made_where_the_head_reads_it_not_whole_and_sliced():
+    # take_along_axis's gradient scatter-adds into zeros the logits' shape: made whole over tp and sliced to the
+    # vocabulary shard only at the head's contraction, it and the softmax gradient's terms held four whole
+    # logits blocks a device; made sharded, one more all-reduce of the (batch, seq) row sums pays for it
+    def loss(x, w, labels):
+        logits = x @ w
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], axis=-1))
+
+    mesh = make_mesh((2, 4))
+    rng = np.random.default_rng(5)
+    X, W = rng.normal(size=(8, 128, 16)).astype(np.float32), (rng.normal(size=(16, 8192)) / 4).astype(np.float32)
+    L = rng.integers(0, 8192, (8, 128)).astype(np.int32)
+    args = [jshard.distribute(X, mesh, (Shard(0), R)), jshard.distribute(W, mesh, (R, Shard(1))),
+            jshard.distribute(L, mesh, (Shard(0), R))]
+    grad = jax.grad(loss, argnums=1)
+    ex = jshard.explain(grad, *args)
+    logits_sized = [s.placements for r in ex.rows for s in r["outs"] if s.shape == (8, 128, 8192)]
+    assert logits_sized and all(p[1] == Shard(2) for p in logits_sized)  # split by vocabulary
+    assert ex.totals == {"all_reduce": (3, 3 * 4 * 128 * 4)}  # the row max, the exp-sum, the gradient's row sum
+    got = jshard.jit(grad, out_placements=(R, Shard(1)))(*args)
+    assert_close(got.full(), jax.grad(loss, argnums=1)(X, W, L), n=16 + 8192 + 8 * 128)
+
+
+def test_an_embedding_gradient_is_scattered_into_the_rows_a_device_keeps():
+    # the vocabulary-parallel table's gradient: each device scatter-adds only the ids in its rows (gathering the
+    # small updates over dp, where they are split by batch) instead of scattering into the whole table over tp
+    def loss(table, ids):
+        return jnp.sum(jnp.tanh(table[ids]))
+
+    mesh = make_mesh((2, 4))
+    rng = np.random.default_rng(6)
+    T = rng.normal(size=(4096, 256)).astype(np.float32)
+    ids = rng.integers(0, 4096, (8, 64)).astype(np.int32)
+    args = [jshard.distribute(T, mesh, (R, Shard(0))), jshard.distribute(ids, mesh, (Shard(0), R))]
+    grad = jax.grad(loss)
+    f = jshard.jit(grad, out_placements=(R, Shard(0)))
+    rows = jshard.explain(grad, *args, out_placements=(R, Shard(0))).rows
+    scatters = [r["outs"][0].placements for r in rows if r["primitive"] == "scatter-add"]
+    assert scatters == [(R, Shard(0))]
+    assert_close(f(*args).full(), grad(T, ids), n=8)
+
+
 def test_dropout_draws_the_single_device_numbers():
     def f(x, key):
         keep = jax.random.bernoulli(key, 0.7, x.shape)

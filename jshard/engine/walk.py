@@ -7,8 +7,9 @@ bodies as plans of their own. A second pass looks back from the consumers: where
 moves it to one spec, its producer is asked to produce that spec directly when that costs no collective. A third
 looks past one equation: where an equation moves an input with a collective, its next strategies are tried with
 the change rippled through its consumers, and one is kept where the program's moves cost less and send no more
-bytes. Then each operand's move is planned (``jshard.planner``), dead equations are dropped, and a value moved to the
-same spec for several consumers moves once.
+bytes. A fourth makes a value that a consumer slices sliced from the start, where the moves that adds cost less
+than writing the bytes it saves. Then each operand's move is planned (``jshard.planner``), dead equations are
+dropped, and a value moved to the same spec for several consumers moves once.
 
 The result is a ``JaxprPlan``: per equation (``EquationPlan``) the operands with their moves, the chosen
 strategy and, for control flow, the local loop or switch. ``jshard.engine.kernel`` turns it into code.
@@ -20,6 +21,7 @@ import heapq
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -28,7 +30,7 @@ from jax.sharding import Mesh
 
 from ..jaxcompat import inlined_call, jc, open_jaxpr, source_info_util
 from ..placements import Replicate
-from ..planner import Plan, plan_redistribute
+from ..planner import DEFAULT_COST_MODEL, Plan, plan_redistribute
 from ..propagate import Choice, alternatives, select
 from ..rules.registry import has_rule, rule_for
 from ..spec import Spec
@@ -146,6 +148,7 @@ def plan_jaxpr(closed: jc.ClosedJaxpr, specs: list[Spec], mesh: Mesh, pinned: li
     pinned = pinned or [None] * len(outs)
     _reseat(equations, outs, env, mesh, pinned)
     _look_ahead(equations, outs, env, mesh, pinned)
+    _shrink(equations, outs, env, mesh, pinned)
     for eq in equations:  # every move from the producer's final spec to what its consumer runs with; constants
         # move like values (R -> P(sum) of a literal: the value on one coordinate)
         eq.operands = [op._replace(move=None if s == t else plan_redistribute(s, t.placements))
@@ -307,13 +310,7 @@ def _look_ahead(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh
     more bytes.
     (Sequence parallelism's backward pass: gathering the gradient instead of the weight keeps the MLP's hidden
     dim sharded, where the greedy choice moved every GELU intermediate with an all-to-all.)"""
-    users: dict = {}
-    for i, eq in enumerate(equations):
-        for op in eq.operands:
-            if not op.literal:
-                users.setdefault(op.value, []).append(i)
-    pins = {o: p for o, p in zip(outs, pinned) if p is not None and not isinstance(o, jc.Literal)}
-    fixed = {o for o in outs if not isinstance(o, jc.Literal) and o not in pins}  # what an unpinned output shows
+    users, pins, fixed = _consumers(equations, outs, pinned)
     for i, eq in enumerate(equations):
         if not _choosable(eq):
             continue
@@ -324,17 +321,87 @@ def _look_ahead(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh
                                 consts=eq.consts, mesh=mesh):
             if alt.outs == eq.choice.outs:
                 continue
-            trial = _ripple(equations, users, env, mesh, pins, fixed, i, alt)
-            if trial is not None:
-                for j, choice in trial[0].items():
-                    equations[j].choice = choice
-                env.update(trial[1])
+            trial = _ripple(equations, users, env, mesh, fixed, i, alt)
+            if trial is None:
+                continue
+            (cost, sent), (was, sent_before) = _trial_moves(equations, users, env, mesh, pins, trial)
+            # cheaper, and never by trading a few small reductions' latency for more bytes moved
+            if cost < was - 1e-9 and sent <= sent_before:
+                _apply(equations, env, trial)
                 break
 
 
-def _ripple(equations, users, env, mesh, pins, fixed, start, choice, limit=256):
+def _shrink(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh, pinned: list) -> None:
+    """The walk and the passes after it price moves only, so a value made whole that one consumer slices while
+    another takes it whole stays whole on every device, and so do the values made from it. Here, producers visited
+    last-first, such a producer is asked to make the slice (its inputs only slicing), the change rippled through
+    the consumers that took it whole (a pending reduction completed where it is smallest), and kept where the
+    moves it adds cost less than writing the bytes it saves (``CostModel.memory_gbps``).
+    (Loss parallelism's backward pass: ``take_along_axis``'s gradient scatter-adds into zeros the logits' shape;
+    whole, it and the softmax gradient's terms took four logits-sized blocks a device, sliced to the vocabulary
+    shard only at the head's contraction. Made sharded, the row sums over the vocabulary pend and are
+    all-reduced at their rows' size.)"""
+    users, pins, fixed = _consumers(equations, outs, pinned)
+    for i in reversed(range(len(equations))):
+        eq = equations[i]
+        if not _choosable(eq):
+            continue
+        for k, o in enumerate(eq.outs):
+            if o is None or o in fixed:
+                continue
+            reads = [t for j in users.get(o, ()) for op, t in zip(equations[j].operands, equations[j].choice.ins)
+                     if not op.literal and op.value is o] + ([pins[o]] if o in pins else [])
+            slices = {t for t in map(partial(_sliced_part, env[o]), reads) if t is not None}
+            for t in sorted(slices, key=_local_bytes):
+                specs = _operand_specs(eq, env, mesh)
+                want = [t if m == k else None for m in range(len(eq.outs))]
+                choice = select(eq.eqn.primitive, eq.eqn.params, specs, [v.aval for v in eq.eqn.outvars],
+                                consts=eq.consts, mesh=mesh, want=want)
+                if choice.outs[k] != t or _communicating(specs, choice.ins):
+                    continue
+                trial = _ripple(equations, users, env, mesh, fixed, i, choice, steer=True)
+                if trial is None:
+                    continue
+                (cost, _), (was, _) = _trial_moves(equations, users, env, mesh, pins, trial)
+                written = sum(_local_bytes(new) - _local_bytes(env[v]) for v, new in trial[1].items())
+                if written < 0 and cost - was + DEFAULT_COST_MODEL.local(written) < -1e-9:
+                    _apply(equations, env, trial)
+                    break
+
+
+def _consumers(equations, outs, pinned) -> tuple[dict, dict, set]:
+    """Per value, the indices of the equations that read it; the pinned outputs' pins; the unpinned outputs (what
+    an unpinned output shows is fixed: the walk chose it)."""
+    users: dict = {}
+    for i, eq in enumerate(equations):
+        for op in eq.operands:
+            if not op.literal:
+                users.setdefault(op.value, []).append(i)
+    pins = {o: p for o, p in zip(outs, pinned) if p is not None and not isinstance(o, jc.Literal)}
+    fixed = {o for o in outs if not isinstance(o, jc.Literal) and o not in pins}
+    return users, pins, fixed
+
+
+def _apply(equations, env, trial) -> None:
+    choices, specs, _ = trial
+    for j, choice in choices.items():
+        equations[j].choice = choice
+    env.update(specs)
+
+
+def _trial_moves(equations, users, env, mesh, pins, trial) -> tuple[tuple[float, float], tuple[float, float]]:
+    """``(µs, bytes sent)`` of the moves a ripple touches, with the trial and with the current plan."""
+    choices, specs, touched = trial
+    pinned = [(v, pin) for v, pin in pins.items() if v in specs]
+    return (_moves_cost(equations, users, env, touched, choices, specs, mesh, pinned),
+            _moves_cost(equations, users, env, touched, {}, {}, mesh, pinned))
+
+
+def _ripple(equations, users, env, mesh, fixed, start, choice, *, steer=False, limit=256):
     """The plan with equation ``start`` running ``choice``, its consumers re-chosen for their new inputs as far as
-    the specs differ: ``(choices, specs)`` to apply, or None where its moves cost no less than the current plan's."""
+    the specs differ: ``(choices, specs, touched)``, or None where it would change what an unpinned output shows
+    or reaches too far. ``steer``: a consumer that would leave a reduction pending on a bigger output completes
+    it on its inputs where that costs less than completing it later (a broadcast of a row sum)."""
     choices, specs, touched, queue = {start: choice}, {}, {start}, []
 
     def changed(eq, outs) -> bool:
@@ -359,16 +426,19 @@ def _ripple(equations, users, env, mesh, pins, fixed, start, choice, limit=256):
         if not _choosable(eq):  # it keeps its strategy: only its moves change
             continue
         new = [s if op.literal else specs.get(op.value, s) for op, s in zip(eq.operands, _operand_specs(eq, env, mesh))]
-        pick = select(eq.eqn.primitive, eq.eqn.params, new, [o.aval for o in eq.eqn.outvars], consts=eq.consts,
-                      mesh=mesh)
+        avals = [o.aval for o in eq.eqn.outvars]
+        pick = select(eq.eqn.primitive, eq.eqn.params, new, avals, consts=eq.consts, mesh=mesh)
+        if steer and any(p.is_partial for s in pick.outs for p in s.placements):
+            want = [env[o] if o is not None and not any(p.is_partial for p in env[o].placements) else _reduced(s)
+                    for o, s in zip(eq.outs, pick.outs)]
+            early = select(eq.eqn.primitive, eq.eqn.params, new, avals, consts=eq.consts, mesh=mesh, want=want)
+            later = sum(plan_redistribute(s, _reduced(s).placements).cost for s in pick.outs)
+            if early.cost < pick.cost + later - 1e-9:
+                pick = early
         choices[j] = pick
         if pick.outs != eq.choice.outs and not changed(eq, pick.outs):
             return None
-    pinned = [(v, pin) for v, pin in pins.items() if v in specs]
-    (cost, sent), (was, sent_before) = (_moves_cost(equations, users, env, touched, c, v, mesh, pinned)
-                                        for c, v in ((choices, specs), ({}, {})))
-    # cheaper, and never by trading a few small reductions' latency for more bytes moved
-    return (choices, specs) if cost < was - 1e-9 and sent <= sent_before else None
+    return choices, specs, touched
 
 
 def _moves_cost(equations, users, env, touched, choices, specs, mesh, pinned) -> tuple[float, float]:
@@ -396,6 +466,27 @@ def _moves_cost(equations, users, env, touched, choices, specs, mesh, pinned) ->
     except ValueError:  # no way there (a Partial of another kind)
         return math.inf, math.inf
     return math.fsum(p.cost for p in plans), sum(p.bytes for p in plans)  # exact: every process plans alike
+
+
+def _sliced_part(src: Spec, dst: Spec) -> Spec | None:
+    """The part of moving ``src`` to ``dst`` that is a local slice: ``src`` with ``dst``'s shard on each mesh axis
+    where ``src`` is Replicate, where that is a smaller block a device, made without a collective; else None."""
+    cut = tuple(d if s.is_replicate and d.is_shard else s for s, d in zip(src.placements, dst.placements))
+    if cut == src.placements:
+        return None
+    spec = Spec(src.mesh, cut, src.shape, src.dtype)
+    if _local_bytes(spec) >= _local_bytes(src) or plan_redistribute(src, cut).collectives:
+        return None
+    return spec
+
+
+def _local_bytes(spec: Spec) -> int:
+    return math.prod(spec.local_block_shape) * spec.itemsize
+
+
+def _reduced(spec: Spec) -> Spec:
+    """``spec`` with its pending reductions completed (Replicate there)."""
+    return Spec(spec.mesh, tuple(Replicate() if p.is_partial else p for p in spec.placements), spec.shape, spec.dtype)
 
 
 def _communicating(specs: list[Spec], targets) -> bool:
