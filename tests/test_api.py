@@ -188,6 +188,25 @@ def test_an_embedding_gradient_is_scattered_into_the_rows_a_device_keeps():
     assert_close(f(*args).full(), grad(T, ids), n=8)
 
 
+def test_a_fully_sharded_table_gradient_gathers_the_updates_not_the_table():
+    # FSDP's embedding gradient: scatter-adding each device's updates into a whole zero table and reduce-scattering
+    # it moves (n - 1) / n of the table; gathering the updates (batch x width) and scattering into the rows a
+    # device keeps moves far less and never holds the table whole
+    def table_grad(table, ids, g):
+        return jax.vjp(lambda t: t[ids], table)[1](g)[0]
+
+    mesh = make_mesh((8,))
+    rng = np.random.default_rng(7)
+    T, G = rng.normal(size=(8192, 128)).astype(np.float32), rng.normal(size=(8, 32, 128)).astype(np.float32)
+    ids = rng.integers(0, 8192, (8, 32)).astype(np.int32)
+    args = [jshard.distribute(a, mesh, (Shard(0),)) for a in (T, ids, G)]
+    ex = jshard.explain(table_grad, *args, out_placements=(Shard(0),))
+    assert [r["outs"][0].placements for r in ex.rows if r["primitive"] == "scatter-add"] == [(Shard(0),)]
+    assert ex.totals == {"all_gather": (2, 32 * 4 + 32 * 128 * 4)}  # each device's ids and updates
+    got = jshard.jit(table_grad, out_placements=(Shard(0),))(*args)
+    assert_close(got.full(), table_grad(T, ids, G), n=8)
+
+
 def test_dropout_draws_the_single_device_numbers():
     def f(x, key):
         keep = jax.random.bernoulli(key, 0.7, x.shape)

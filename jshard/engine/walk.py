@@ -334,13 +334,16 @@ def _look_ahead(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh
 def _shrink(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh, pinned: list) -> None:
     """The walk and the passes after it price moves only, so a value made whole that one consumer slices while
     another takes it whole stays whole on every device, and so do the values made from it. Here, producers visited
-    last-first, such a producer is asked to make the slice (its inputs only slicing), the change rippled through
-    the consumers that took it whole (a pending reduction completed where it is smallest), and kept where the
-    moves it adds cost less than writing the bytes it saves (``CostModel.memory_gbps``).
+    last-first, such a producer is asked to make what a consumer reads, or the slice its move starts with, where
+    that is a smaller block; the change is rippled through the other consumers (a pending reduction completed
+    where it is smallest) and kept where the moves it adds cost less than writing the bytes it saves
+    (``CostModel.memory_gbps``); where the producer's inputs then take a collective instead, only where the moves
+    cost less and send no more bytes.
     (Loss parallelism's backward pass: ``take_along_axis``'s gradient scatter-adds into zeros the logits' shape;
     whole, it and the softmax gradient's terms took four logits-sized blocks a device, sliced to the vocabulary
     shard only at the head's contraction. Made sharded, the row sums over the vocabulary pend and are
-    all-reduced at their rows' size.)"""
+    all-reduced at their rows' size. And FSDP's embedding gradient: the updates gathered and scattered into the
+    rows a device keeps, where a whole zero table took them and was reduce-scattered.)"""
     users, pins, fixed = _consumers(equations, outs, pinned)
     for i in reversed(range(len(equations))):
         eq = equations[i]
@@ -351,20 +354,25 @@ def _shrink(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh, pi
                 continue
             reads = [t for j in users.get(o, ()) for op, t in zip(equations[j].operands, equations[j].choice.ins)
                      if not op.literal and op.value is o] + ([pins[o]] if o in pins else [])
+            smaller = {t for t in reads if _local_bytes(t) < _local_bytes(env[o])}
             slices = {t for t in map(partial(_sliced_part, env[o]), reads) if t is not None}
-            for t in sorted(slices, key=_local_bytes):
+            for t in sorted(slices | smaller, key=_local_bytes):
                 specs = _operand_specs(eq, env, mesh)
                 want = [t if m == k else None for m in range(len(eq.outs))]
                 choice = select(eq.eqn.primitive, eq.eqn.params, specs, [v.aval for v in eq.eqn.outvars],
                                 consts=eq.consts, mesh=mesh, want=want)
-                if choice.outs[k] != t or _communicating(specs, choice.ins):
+                if choice.outs[k] != t:
                     continue
                 trial = _ripple(equations, users, env, mesh, fixed, i, choice, steer=True)
                 if trial is None:
                     continue
-                (cost, _), (was, _) = _trial_moves(equations, users, env, mesh, pins, trial)
+                (cost, sent), (was, sent_before) = _trial_moves(equations, users, env, mesh, pins, trial)
                 written = sum(_local_bytes(new) - _local_bytes(env[v]) for v, new in trial[1].items())
-                if written < 0 and cost - was + DEFAULT_COST_MODEL.local(written) < -1e-9:
+                if _new_collectives(specs, eq.choice.ins, choice.ins):  # its inputs move instead of its output
+                    kept = written <= 0 and cost < was - 1e-9 and sent <= sent_before
+                else:
+                    kept = written < 0 and cost - was + DEFAULT_COST_MODEL.local(written) < -1e-9
+                if kept:
                     _apply(equations, env, trial)
                     break
 
@@ -487,6 +495,11 @@ def _local_bytes(spec: Spec) -> int:
 def _reduced(spec: Spec) -> Spec:
     """``spec`` with its pending reductions completed (Replicate there)."""
     return Spec(spec.mesh, tuple(Replicate() if p.is_partial else p for p in spec.placements), spec.shape, spec.dtype)
+
+
+def _new_collectives(specs: list[Spec], was: tuple, now: tuple) -> bool:
+    """Does running with inputs ``now`` instead of ``was`` move an input with a collective it did not take?"""
+    return any(t != w and plan_redistribute(s, t.placements).collectives for s, w, t in zip(specs, was, now))
 
 
 def _communicating(specs: list[Spec], targets) -> bool:
