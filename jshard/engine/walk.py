@@ -354,9 +354,10 @@ def _shrink(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh, pi
                 continue
             reads = [t for j in users.get(o, ()) for op, t in zip(equations[j].operands, equations[j].choice.ins)
                      if not op.literal and op.value is o] + ([pins[o]] if o in pins else [])
-            smaller = {t for t in reads if _local_bytes(t) < _local_bytes(env[o])}
-            slices = {t for t in map(partial(_sliced_part, env[o]), reads) if t is not None}
-            for t in sorted(slices | smaller, key=_local_bytes):
+            smaller = [t for t in reads if _local_bytes(t) < _local_bytes(env[o])]
+            slices = [t for t in map(partial(_sliced_part, env[o]), reads) if t is not None]
+            # in the program's order, never a set's: every process must plan alike
+            for t in sorted(dict.fromkeys(slices + smaller), key=_local_bytes):
                 specs = _operand_specs(eq, env, mesh)
                 want = [t if m == k else None for m in range(len(eq.outs))]
                 choice = select(eq.eqn.primitive, eq.eqn.params, specs, [v.aval for v in eq.eqn.outvars],
