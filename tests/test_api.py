@@ -119,22 +119,30 @@ def test_embedding_and_cross_entropy_with_a_row_sharded_table():
     assert_close(g.full(), jax.grad(loss)(T, ids, labels), n=n)
 
 
+def _head_loss(x, w, labels):
+    """A column-parallel head's cross-entropy: ``x @ w`` split by vocabulary over tp."""
+    logits = x @ w
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], axis=-1))
+
+
+def _head_and_labels(seq: int, vocab: int, seed: int):
+    """``_head_loss``'s inputs (batch 8, width 16) as numpy arrays and as DArrays on (dp=2, tp=4): rows split by dp,
+    the head's vocabulary by tp."""
+    mesh = make_mesh((2, 4))
+    rng = np.random.default_rng(seed)
+    x, w = rng.normal(size=(8, seq, 16)).astype(np.float32), (rng.normal(size=(16, vocab)) / 4).astype(np.float32)
+    labels = rng.integers(0, vocab, (8, seq)).astype(np.int32)
+    placements = [(Shard(0), R), (R, Shard(1)), (Shard(0), R)]
+    return (x, w, labels), [jshard.distribute(a, mesh, p) for a, p in zip((x, w, labels), placements)]
+
+
 def test_vocabulary_parallel_cross_entropy_keeps_the_logits_sharded():
     # Megatron's loss parallelism: the logits split by vocabulary, the row max and the row sum of exponentials
     # all-reduced (a few bytes a row), the label's logit a masked lookup. Scattering those row statistics over the
     # rows instead (half an all-reduce's bytes each) met the vocabulary-sharded logits they are broadcast against
     # and moved the logits and their gradient with all-to-alls
-    def loss(x, w, labels):
-        logits = x @ w
-        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], axis=-1))
-
-    mesh = make_mesh((2, 4))
-    rng = np.random.default_rng(21)
-    X, W = rng.normal(size=(8, 64, 16)).astype(np.float32), (rng.normal(size=(16, 1024)) / 4).astype(np.float32)
-    L = rng.integers(0, 1024, (8, 64)).astype(np.int32)
-    args = [jshard.distribute(X, mesh, (Shard(0), R)), jshard.distribute(W, mesh, (R, Shard(1))),
-            jshard.distribute(L, mesh, (Shard(0), R))]
-    step = jax.value_and_grad(loss, argnums=(0, 1))
+    (X, W, L), args = _head_and_labels(seq=64, vocab=1024, seed=21)
+    step = jax.value_and_grad(_head_loss, argnums=(0, 1))
     f = jshard.jit(step, out_placements=((R, R), ((Shard(0), R), (R, Shard(1)))))
     # the max, the sum, the loss; the input's gradient over tp, the weight's over dp
     assert dict(_count_stablehlo(f.lower(*args).as_text())) == {"all_reduce": 5}
@@ -150,23 +158,14 @@ def test_the_loss_gradient_is_made_where_the_head_reads_it_not_whole_and_sliced(
     # take_along_axis's gradient scatter-adds into zeros the logits' shape: made whole over tp and sliced to the
     # vocabulary shard only at the head's contraction, it and the softmax gradient's terms held four whole
     # logits blocks a device; made sharded, one more all-reduce of the (batch, seq) row sums pays for it
-    def loss(x, w, labels):
-        logits = x @ w
-        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], axis=-1))
-
-    mesh = make_mesh((2, 4))
-    rng = np.random.default_rng(5)
-    X, W = rng.normal(size=(8, 128, 16)).astype(np.float32), (rng.normal(size=(16, 8192)) / 4).astype(np.float32)
-    L = rng.integers(0, 8192, (8, 128)).astype(np.int32)
-    args = [jshard.distribute(X, mesh, (Shard(0), R)), jshard.distribute(W, mesh, (R, Shard(1))),
-            jshard.distribute(L, mesh, (Shard(0), R))]
-    grad = jax.grad(loss, argnums=1)
+    (X, W, L), args = _head_and_labels(seq=128, vocab=8192, seed=5)
+    grad = jax.grad(_head_loss, argnums=1)
     ex = jshard.explain(grad, *args)
     logits_sized = [s.placements for r in ex.rows for s in r["outs"] if s.shape == (8, 128, 8192)]
     assert logits_sized and all(p[1] == Shard(2) for p in logits_sized)  # split by vocabulary
     assert ex.totals == {"all_reduce": (3, 3 * 4 * 128 * 4)}  # the row max, the exp-sum, the gradient's row sum
     got = jshard.jit(grad, out_placements=(R, Shard(1)))(*args)
-    assert_close(got.full(), jax.grad(loss, argnums=1)(X, W, L), n=16 + 8192 + 8 * 128)
+    assert_close(got.full(), grad(X, W, L), n=16 + 8192 + 8 * 128)
 
 
 def test_an_embedding_gradient_is_scattered_into_the_rows_a_device_keeps():
