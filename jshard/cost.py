@@ -54,6 +54,9 @@ class CostModel:
     def __post_init__(self):
         # frozen + hashable: plans are cached per cost model
         object.__setattr__(self, "axes", tuple(sorted(dict(self.axes).items())))
+        if not (isinstance(self.memory_gbps, (int, float)) and self.memory_gbps > 0):
+            raise ValueError(f"CostModel: memory_gbps is a device's bandwidth to its own memory in GB/s, a positive "
+                             f"number; got {self.memory_gbps!r} (the default is 200.0)")
 
     def axis(self, name: str) -> AxisCost:
         return dict(self.axes).get(name, self.default)

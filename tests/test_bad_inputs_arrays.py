@@ -181,6 +181,8 @@ CASES = [
     # plan_redistribute
     ("plan-cost-model", lambda i: jshard.plan_redistribute(i.x, [R, R], cost_model={"dp": 1.0}), TypeError,
      r"^plan_redistribute: cost_model must be a jshard.CostModel or None"),
+    ("cost-model-memory", lambda i: jshard.CostModel(memory_gbps=0), ValueError,
+     r"^CostModel: memory_gbps is a device's bandwidth to its own memory in GB/s, a positive number; got 0"),
     ("plan-src", lambda i: jshard.plan_redistribute(i.value, [R, R]), TypeError,
      r"^plan_redistribute: src must be a DArray or a Spec, got ndarray"),
     ("plan-target-none", lambda i: jshard.plan_redistribute(i.x, None), PlacementError,
