@@ -8,9 +8,12 @@ received and memory of each compiled program (target: jshard's <= GSPMD's), the 
 programs, caches emptied, alternating which side goes first; median of ``--first-calls``; target <= 1.2x), and
 the loss curves (they must agree). Prints a table and writes JSON.
 
-    python benchmarks/train_step.py [--layers 2] [--steps 10] [--rounds 10] [--size toy|compute|large]
+    python benchmarks/train_step.py [--layers 2] [--steps N] [--rounds N] [--size toy|compute|large]
                                     [--first-calls 3] [--setups tp4,sp] [--fsdp-unit module|block]
                                     [--out benchmarks/results/train_step.json]
+
+Steps and rounds default by size (``ROUNDS``): a large step takes seconds on CPU devices, so 10 x 10 of them would
+run for hours. Each setup reports on stderr as it finishes.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -41,6 +45,8 @@ VOCAB, DIM, HEADS, SEQ, BATCH = 256, 128, 4, 64, 16
 # --size: (vocab, width, heads, sequence, batch); "compute" is compute-bound on CPU devices (the issue's width 1024,
 # 8 layers, sequence 512 takes minutes a step on 2 emulated-device cores: run it with --size large where cores allow)
 SIZES = {"toy": (256, 128, 4, 64, 16), "compute": (2048, 512, 8, 256, 8), "large": (8192, 1024, 16, 512, 8)}
+# --size: default (steps per round, interleaved rounds)
+ROUNDS = {"toy": (10, 10), "compute": (10, 10), "large": (3, 3)}
 # name: (mesh shape, axis names, plan style, FSDP on "dp" under the plan's styles)
 SETUPS = {"tp4": ((4,), ("tp",), "tp", False), "dp2xtp4": ((2, 4), ("dp", "tp"), "tp", False),
           "fsdp2xtp4": ((2, 4), ("dp", "tp"), "tp", True), "fsdp8": ((8,), ("dp",), "fsdp", False),
@@ -175,9 +181,9 @@ def run(name: str, layers: int, steps: int, rounds: int, first_calls: int, unit:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=None, help="steps per round (default: by --size)")
     ap.add_argument("--out", default="benchmarks/results/train_step.json")
-    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default: by --size)")
     ap.add_argument("--first-calls", type=int, default=3, help="first calls timed per side (fresh programs)")
     ap.add_argument("--size", choices=list(SIZES), default="toy")
     ap.add_argument("--setups", default="", help=f"comma-separated, of {', '.join(SETUPS)} (default: all)")
@@ -185,13 +191,20 @@ def main():
                     help="what FSDP gathers together: each module holding parameters (default=FullyShard), or each "
                          "transformer block (FullyShard matched on blocks/i, as torchtitan)")
     args = ap.parse_args()
+    steps, rounds = ROUNDS[args.size]
+    args.steps = steps if args.steps is None else args.steps
+    args.rounds = rounds if args.rounds is None else args.rounds
     if not 2 <= args.first_calls <= args.steps:
         ap.error(f"--first-calls must be at least 2 (the side that goes first alternates, so the process's warm-up "
                  f"lands on both) and at most --steps ({args.steps}); got {args.first_calls}")
     global VOCAB, DIM, HEADS, SEQ, BATCH
     VOCAB, DIM, HEADS, SEQ, BATCH = SIZES[args.size]
     names = args.setups.split(",") if args.setups else list(SETUPS)
-    rows = [run(name, args.layers, args.steps, args.rounds, args.first_calls, args.fsdp_unit) for name in names]
+    rows, start = [], time.perf_counter()
+    for name in names:
+        rows.append(run(name, args.layers, args.steps, args.rounds, args.first_calls, args.fsdp_unit))
+        print(f"{name}: step ratio {rows[-1]['ratio']:.2f}, first call {rows[-1]['first_call_ratio']:.2f} "
+              f"({time.perf_counter() - start:.0f} s so far)", file=sys.stderr, flush=True)
     print(f"GPT: vocab {VOCAB}, width {DIM}, {HEADS} heads, sequence {SEQ}, batch {BATCH}, {args.layers} layers; "
           f"{args.steps} steps per round, {args.rounds} interleaved rounds; FSDP unit: {args.fsdp_unit}\n")
     print(f"{'setup':<10} {'step ms jshard':>15} {'jax.jit':>8} {'ratio med (min-max)':>20} {'collectives':>12} "
