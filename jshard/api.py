@@ -47,11 +47,13 @@ from .arguments import (
     resolve_argnums,
 )
 from .caches import Cache
+from .cost import CostModel
 from .darray import DArray, distribute
 from .engine import Program, compile_program, constrain_p, constrain_target, replicated, trace
 from .explanation import Explanation, explanation
 from .jaxcompat import source_info_util
 from .placements import Placement, Replicate
+from .planner import check_cost_model
 
 __all__ = ["Jitted", "constrain", "explain", "jit", "same_as"]
 
@@ -72,7 +74,8 @@ class same_as:  # noqa: N801 - reads as a function in out_placements
 
 
 def jit(fn: Callable, *, out_placements: Any = None, static_argnums: int | Sequence[int] = (),
-        donate_argnums: int | Sequence[int] = (), mesh: Mesh | None = None) -> Jitted:
+        donate_argnums: int | Sequence[int] = (), mesh: Mesh | None = None,
+        cost_model: CostModel | None = None) -> Jitted:
     """Compile ``fn`` (global-shape JAX code) for DArray arguments; plain arrays and scalars are Replicate.
 
     Returns DArrays. ``out_placements`` pins outputs: a pytree prefix of the outputs whose leaves are a
@@ -84,8 +87,10 @@ def jit(fn: Callable, *, out_placements: Any = None, static_argnums: int | Seque
     them) is taken as it is (``jshard.from_jax``), whether passed or closed over: no host transfer, no
     collective (a closed-over one on Explicit mesh axes is refused: pass it). ``mesh`` names the mesh for a
     function that has no DArray argument (an initialiser: with ``out_placements``, each device computes only
-    its own blocks). Compiled programs are cached by the arguments' specs, tree structure and static values: a
-    repeated call does no tracing. ``.lower(*args)`` gives the lowered program (for its HLO),
+    its own blocks). ``cost_model`` prices every choice of the plan (a ``jshard.CostModel``: the mesh axes' own
+    latency and bandwidth, a fast tp axis inside a host next to a slow dp axis across hosts; None: the default).
+    Compiled programs are cached by the arguments' specs, tree structure and static values: a repeated call does
+    no tracing. ``.lower(*args)`` gives the lowered program (for its HLO),
     ``.explain(*args)`` the plan.
 
     >>> import jax, jax.numpy as jnp, numpy as np, jshard
@@ -103,8 +108,10 @@ def jit(fn: Callable, *, out_placements: Any = None, static_argnums: int | Seque
     if mesh is not None and not isinstance(mesh, Mesh):
         raise TypeError(f"jshard.jit: mesh must be a jax.sharding.Mesh (say jax.make_mesh((8,), ('dp',))), got "
                         f"{type(mesh).__name__}")
+    if cost_model is not None:
+        check_cost_model(cost_model, "jshard.jit")
     return Jitted(fn, out_placements, argnums(static_argnums, "static_argnums", fn),
-                  argnums(donate_argnums, "donate_argnums", fn), mesh)
+                  argnums(donate_argnums, "donate_argnums", fn), mesh, cost_model)
 
 
 class Jitted:
@@ -112,11 +119,12 @@ class Jitted:
     arguments."""
 
     def __init__(self, fn: Callable, out_placements: Any, static: tuple[int, ...], donate: tuple[int, ...],
-                 mesh: Mesh | None = None):
+                 mesh: Mesh | None = None, cost_model: CostModel | None = None):
         if set(static) & set(donate):
             raise ValueError(f"jshard.jit: argument(s) {sorted(set(static) & set(donate))} are both in static_argnums "
                              f"{static} and donate_argnums {donate}; a static value has no storage to donate")
         self.fn, self.out_placements, self.static, self.donate, self.mesh = fn, out_placements, static, donate, mesh
+        self.cost_model = cost_model
         self._static_names = parameter_names(fn, static)
         # programs by full key; the steady-state paths by DArray specs and by tree structure (see __call__)
         self._cache, self._by_tree, self._by_specs = Cache(256), Cache(256), Cache(256)
@@ -159,7 +167,7 @@ class Jitted:
         values, keys = self._values(leaves, treedef, statics, mesh)
         specs = [v.spec if isinstance(v, DArray) else replicated(mesh, v.shape, v.dtype) for v in values]
         return trace(self._traced_fn(args, treedef, keys), treedef, specs, mesh, self._pins(args),
-                     list(map(is_weak, leaves)), self._name)
+                     list(map(is_weak, leaves)), self._name, self.cost_model)
 
     @property
     def _name(self) -> str:
@@ -259,7 +267,8 @@ class Jitted:
         if program is None:
             program = compile_program(self._traced_fn(args, treedef, keys), treedef, [d.spec for d in darrays], mesh,
                                       self._pins(args), self._donated(args), weak, name=self._name,
-                                      where=functools.partial(self._where, treedef=treedef, statics=statics))
+                                      where=functools.partial(self._where, treedef=treedef, statics=statics),
+                                      cost_model=self.cost_model)
             self._cache.put(key, program)
         return program, darrays
 
@@ -278,10 +287,12 @@ class Jitted:
         return tuple(out)
 
 
-def explain(fn: Callable, *args, out_placements: Any = None, static_argnums: int | Sequence[int] = ()) -> Explanation:
-    """The plan ``jshard.jit(fn, out_placements=..., static_argnums=...)`` would run on ``args``, as data (nothing
-    compiles). Equations inside ``scan`` / ``while`` / ``cond`` bodies are listed under their loop or branch,
-    once each (as they appear in the compiled program), with the moves of loop carries and branch results.
+def explain(fn: Callable, *args, out_placements: Any = None, static_argnums: int | Sequence[int] = (),
+            cost_model: CostModel | None = None) -> Explanation:
+    """The plan ``jshard.jit(fn, out_placements=..., static_argnums=..., cost_model=...)`` would run on ``args``, as
+    data (nothing compiles). Equations inside ``scan`` / ``while`` / ``cond`` bodies are listed under their loop
+    or branch, once each (as they appear in the compiled program), with the moves of loop carries and branch
+    results.
 
     >>> import jax, jax.numpy as jnp, numpy as np, jshard
     >>> from jshard import Shard, Replicate
@@ -289,7 +300,7 @@ def explain(fn: Callable, *args, out_placements: Any = None, static_argnums: int
     >>> jshard.explain(lambda x: jnp.exp(x.sum(0)), x).totals
     {'all_reduce': (1, 16)}
     """
-    return jit(fn, out_placements=out_placements, static_argnums=static_argnums).explain(*args)
+    return jit(fn, out_placements=out_placements, static_argnums=static_argnums, cost_model=cost_model).explain(*args)
 
 
 def constrain(x, placements, *, pin_gradient: bool = True) -> Any:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from .engine import JaxprPlan, Traced, moved_together, out_moves
 from .lowering import shared_collectives
 from .placements import format_placements
-from .planner import Plan
+from .planner import Plan, pricing
 from .spec import dtype_short, format_mesh
 
 __all__ = ["Explanation", "explanation"]
@@ -50,6 +50,11 @@ class Explanation:
 
 def explanation(traced: Traced) -> Explanation:
     """The ``Explanation`` of a traced function."""
+    with pricing(traced.plan.cost_model):  # the moves of its outputs, and which collectives are shared
+        return _explanation(traced)
+
+
+def _explanation(traced: Traced) -> Explanation:
     rows, totals = [], {}
     shared = set()  # (id of the move's owner, step index) of the steps that share a collective with others
 

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .caches import memo
 from .exchange import exchange_schedule
 from .local import PerDevice, at_origin, coordinates_read_once, opaque_ints, reduce_identity
-from .planner import DEFAULT_COST_MODEL, Plan, Step
+from .planner import Plan, Step, model_in_force
 from .spec import Spec, block_of, block_sharding, local_of
 
 __all__ = ["BUCKET_BYTES", "compile_plan", "local_program", "local_programs", "ordered_reduce", "reduce_identity",
@@ -152,13 +152,14 @@ def _buckets(plans: Sequence[Plan]) -> list[list[list[int]]]:
 
 def _shares(step: Step, plan: Plan) -> bool:
     """May ``step`` share its collective: a sum reduce-scatter or an all-gather whose collective costs about as much
-    in latency as in bytes, or more (by the default cost model)? A larger array gains little from sharing the
+    in latency as in bytes, or more (by the cost model in force)? A larger array gains little from sharing the
     latency and pays for being copied into and out of the shared buffer."""
     if not (step.kind == "all_gather" or (step.kind, step.op) == ("reduce_scatter", "sum")):
         return False
     n = math.prod(plan.src.mesh.shape[a] for a in step.axes)
-    fixed = DEFAULT_COST_MODEL.collective(step.kind, step.axes, n, 0)
-    return DEFAULT_COST_MODEL.collective(step.kind, step.axes, n, step.bytes) <= 2 * fixed
+    model = model_in_force()
+    fixed = model.collective(step.kind, step.axes, n, 0)
+    return model.collective(step.kind, step.axes, n, step.bytes) <= 2 * fixed
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -50,9 +50,12 @@ ordered the way the layout is cut so that no local reshuffle is needed where one
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import heapq
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -64,9 +67,12 @@ from .cost import CostModel
 from .placements import Placement, Replicate, StridedShard, format_placements, partial_ops_mix
 from .spec import Spec, cut_order, dim_layout
 
-__all__ = ["Step", "Plan", "plan_redistribute", "plan_uncached", "check_cost_model", "DEFAULT_COST_MODEL"]
+__all__ = ["Step", "Plan", "plan_redistribute", "plan_uncached", "check_cost_model", "pricing", "model_in_force",
+           "DEFAULT_COST_MODEL"]
 
 DEFAULT_COST_MODEL = CostModel()
+# the model that prices what is planned with no model named: the default, or a jshard.jit's while it plans
+_IN_FORCE = contextvars.ContextVar("jshard_cost_model", default=DEFAULT_COST_MODEL)
 COLLECTIVE_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "permute", "exchange")
 LOCAL_KINDS = ("slice", "partition", "fill", "empty")
 _AXIS_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")  # the search's per-axis edges
@@ -184,13 +190,39 @@ _planned = memo(65536)(_validated_plan)
 
 
 def check_cost_model(cost_model, where: str) -> CostModel:
-    """``cost_model``, or the default for None; anything else is a TypeError naming ``where``."""
+    """``cost_model``, or the model in force for None (see ``pricing``); anything else is a TypeError naming
+    ``where``."""
     if cost_model is None:
-        return DEFAULT_COST_MODEL
+        return _IN_FORCE.get()
     if not isinstance(cost_model, CostModel):
         raise TypeError(f"{where}: cost_model must be a jshard.CostModel or None, got {cost_model!r}; e.g. "
                         "jshard.CostModel(axes={'dp': jshard.AxisCost(latency_us=10.0, bandwidth_gbps=5.0)})")
     return cost_model
+
+
+def model_in_force() -> CostModel:
+    """The cost model that prices a plan asked for with none named (the default outside ``pricing``)."""
+    return _IN_FORCE.get()
+
+
+@contextlib.contextmanager
+def pricing(cost_model: CostModel) -> Iterator[CostModel]:
+    """Within the block, whatever is planned without naming a cost model is priced by ``cost_model``: how
+    ``jshard.jit(..., cost_model=...)`` reaches every choice of the walk, the redistributions and the lowering.
+
+    >>> import jax; from jshard import CostModel, Replicate, Shard
+    >>> from jshard.spec import Spec
+    >>> src = Spec.create(jax.make_mesh((8,), ("x",)), (Shard(0),), (16,), "float32")
+    >>> default = plan_redistribute(src, (Replicate(),)).cost
+    >>> with pricing(CostModel(launch_us=60.0)):
+    ...     round(plan_redistribute(src, (Replicate(),)).cost - default, 1)
+    53.4
+    """
+    token = _IN_FORCE.set(check_cost_model(cost_model, "pricing"))
+    try:
+        yield cost_model
+    finally:
+        _IN_FORCE.reset(token)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from jax.sharding import Mesh
 from .caches import Cache, memo
 from .cost import CostModel
 from .placements import Placement, Replicate, partial_ops_mix
-from .planner import DEFAULT_COST_MODEL
+from .planner import model_in_force
 from .rules.registry import Column, Rule, fill, rule_for
 from .spec import Spec, dim_layout
 
@@ -80,7 +80,7 @@ def select(prim: Any, params: dict, in_specs: Sequence[Spec], out_avals: Sequenc
     ``want``, has that shard on the mesh axis; else to Replicate (``alternatives`` still offers the scatter, for a
     planner that weighs the consumers).
     """
-    model = cost_model or DEFAULT_COST_MODEL
+    model = cost_model or model_in_force()
     name = prim if isinstance(prim, str) else prim.name
     consts = _consts_key(consts, len(in_specs))
     frozen, outs_key = params_key(params), _avals_key(out_avals)
@@ -110,10 +110,11 @@ def alternatives(prim: Any, params: dict, in_specs: Sequence[Spec], out_avals: S
     name = prim if isinstance(prim, str) else prim.name
     consts = _consts_key(consts, len(in_specs))
     frozen, outs_key = params_key(params), _avals_key(out_avals)
-    key = (name, frozen, tuple(in_specs), outs_key, consts, mesh, limit)
+    model = model_in_force()
+    key = (name, frozen, tuple(in_specs), outs_key, consts, mesh, model, limit)
     hit = _ALTERNATIVES.get(key)
     if hit is None:
-        sel = Selection(name, params, tuple(in_specs), tuple(out_avals), DEFAULT_COST_MODEL, consts, mesh,
+        sel = Selection(name, params, tuple(in_specs), tuple(out_avals), model, consts, mesh,
                         (frozen, outs_key), follow=False)
         hit = []
         for choice in sel.search(pops=64):
@@ -129,7 +130,7 @@ def offered(prim: Any, params: dict, in_specs: Sequence[Spec], out_avals: Sequen
             consts: Sequence[Any] | None = None, mesh: Mesh | None = None) -> list[tuple]:
     """Every output placement tuple (one per output) the rules allow for inputs exactly as they are."""
     name = prim if isinstance(prim, str) else prim.name
-    sel = Selection(name, params, tuple(in_specs), tuple(out_avals), DEFAULT_COST_MODEL,
+    sel = Selection(name, params, tuple(in_specs), tuple(out_avals), model_in_force(),
                      _consts_key(consts, len(in_specs)), mesh)
     per_axis = [sel.lookup.get(sel.current(m), []) for m in sel.active]
     found = []

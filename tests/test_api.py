@@ -3,11 +3,14 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
 import jshard
 from conftest import make_mesh
 from jshard import Partial, Replicate, Shard
+from jshard.parallel import TrainStep, parallelize
 from oracle import assert_close
 
 R = Replicate()
@@ -343,6 +346,60 @@ def test_an_optimization_barrier_keeps_each_operand_as_it_is():
 STABLEHLO = {"all_gather": "stablehlo.all_gather", "all_reduce": "stablehlo.all_reduce",
              "reduce_scatter": "stablehlo.reduce_scatter", "all_to_all": "stablehlo.all_to_all",
              "permute": "stablehlo.collective_permute", "exchange": "stablehlo.collective_permute"}
+
+
+# priced by bytes alone (a bandwidth-bound size): what moves the fewest bytes, however many hops it takes
+BYTES_FIRST = jshard.CostModel(launch_us=0.0, default=jshard.AxisCost(latency_us=0.0, bandwidth_gbps=19.3))
+
+
+def test_jit_plans_and_lowers_with_the_cost_model_it_is_given():
+    """(S(0), S(0)) -> (S(1), S(1)) on (dp=2, tp=4): by default a gather over tp and an all_to_all over dp (fewer
+    hops); priced by bytes, one all_to_all over both axes, a fifth of the bytes. The pinned output moves in the
+    program's body, traced at its first call: the model must reach it there too."""
+    mesh = make_mesh((2, 4))
+    X = np.arange(16 * 24, dtype=np.float32).reshape(16, 24)
+    x = jshard.distribute(X, mesh, (Shard(0), Shard(0)))
+    pin = (Shard(1), Shard(1))
+
+    def double(x):
+        return x * 2.0
+
+    default = {"all_gather": (1, 192), "all_to_all": (1, 768)}
+    assert jshard.explain(double, x, out_placements=pin).totals == default
+    assert jshard.explain(double, x, out_placements=pin, cost_model=BYTES_FIRST).totals == {"all_to_all": (1, 192)}
+    step = jshard.jit(double, out_placements=pin, cost_model=BYTES_FIRST)
+    hlo = step.lower(x).as_text()
+    assert hlo.count("all_to_all") == 1 and "all_gather" not in hlo
+    out = step(x)
+    assert out.placements == pin
+    np.testing.assert_array_equal(np.asarray(out.full()), X * 2)
+    # plans are kept per model: the default one is unchanged afterwards, and so is its program
+    assert jshard.explain(double, x, out_placements=pin).totals == default
+    assert "all_gather" in jshard.jit(double, out_placements=pin).lower(x).as_text()
+
+
+def test_train_step_plans_with_its_cost_model():
+    mesh = make_mesh((2, 4))
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(16, 24)).astype(np.float32)
+    x = jshard.distribute(X, mesh, (Shard(0), Shard(0)))
+
+    def loss_fn(model, x):  # the model's input laid out by feature: the move the cost model decides
+        return jnp.mean(model(jshard.constrain(x, (Shard(1), Shard(1)))) ** 2)
+
+    def moves(cost_model):
+        model = parallelize(lambda: nnx.Linear(24, 4, rngs=nnx.Rngs(0)), mesh)
+        step = TrainStep(model, optax.sgd(0.1), loss_fn, cost_model=cost_model)
+        ex = step.explain(x)
+        return {(kind, tuple(axes)) for r in ex.rows for _, kind, axes, _ in r["moves"]}, np.asarray(step(x).full())
+
+    default, loss = moves(None)
+    bytes_first, loss_bf = moves(BYTES_FIRST)
+    assert ("all_to_all", ("dp", "tp")) in bytes_first and ("all_to_all", ("dp", "tp")) not in default
+    lin = nnx.Linear(24, 4, rngs=nnx.Rngs(0))
+    want = jnp.mean(lin(jnp.asarray(X)) ** 2)
+    assert_close(loss, want, n=24 + 64)
+    assert_close(loss_bf, want, n=24 + 64)
 
 
 @pytest.mark.parametrize("pins", [None, "same", "shard"])

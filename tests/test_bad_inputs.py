@@ -40,6 +40,8 @@ def _star(*args):
 # (case id, call(x) raising, exception type, regex the message matches)
 JIT_CASES = [
     ("jit-not-callable", lambda x: jshard.jit("f"), TypeError, r"jshard.jit: fn must be callable"),
+    ("jit-cost-model", lambda x: jshard.jit(two, cost_model="fast"), TypeError,
+     r"^jshard.jit: cost_model must be a jshard.CostModel or None, got 'fast'; e.g. jshard.CostModel\(axes="),
     ("static-out-of-range", lambda x: jshard.jit(two, static_argnums=3), ValueError,
      r"static_argnums 3 is out of range for two .*takes 2"),
     ("donate-out-of-range", lambda x: jshard.jit(two, donate_argnums=2), ValueError,

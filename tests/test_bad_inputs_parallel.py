@@ -191,6 +191,8 @@ TRAINING = [
      "TrainStep: loss_fn must be a function"),
     ("donate-str", lambda m: TrainStep(m, optax.sgd(0.1), mse, donate="yes"), TypeError,
      "TrainStep: donate must be True or False"),
+    ("cost-model-dict", lambda m: TrainStep(m, optax.sgd(0.1), mse, cost_model={"dp": 1.0}), TypeError,
+     r"^TrainStep: cost_model must be a jshard.CostModel or None, got \{'dp': 1.0\}"),
     ("loss-not-scalar", lambda m: TrainStep(m, optax.sgd(0.1), lambda m, x: m(x))(batch()), TypeError,
      r"TrainStep: loss_fn .*<lambda> returned float32\[8, 8\]; it must return the loss alone, a float scalar"),
     ("loss-with-aux", lambda m: TrainStep(m, optax.sgd(0.1), lambda m, x: (mse(m, x), m(x)))(batch()), TypeError,

@@ -45,7 +45,7 @@ def local_equation(prim, params: dict, in_specs, out_specs) -> Callable:
 
 def out_moves(plan: JaxprPlan, pins: list) -> list[Plan | None]:
     """Per output of ``plan``: the plan moving it to its pinned spec, or None."""
-    return [plan_redistribute(s, p.placements) if p is not None and p != s else None
+    return [plan_redistribute(s, p.placements, cost_model=plan.cost_model) if p is not None and p != s else None
             for s, p in zip(plan.out_specs, pins)]
 
 

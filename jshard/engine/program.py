@@ -22,8 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from ..cost import CostModel
 from ..darray import DArray, DeletedArrayError, adopt, donation_of, donation_slot
 from ..jaxcompat import open_jaxpr, source_info_util
+from ..planner import model_in_force, pricing
 from ..spec import Spec, block_of, block_sharding, format_mesh, local_of
 from .kernel import communicates, local_function
 from .walk import JaxprPlan, plan_jaxpr
@@ -55,10 +57,11 @@ class Traced:
 
 
 def trace(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, pins: Callable[[Any, int], list],
-          weak: list[bool] | None = None, name: str = "") -> Traced:
+          weak: list[bool] | None = None, name: str = "", cost_model: CostModel | None = None) -> Traced:
     """Trace ``fn`` (called with the leaves unflattened by ``treedef``) at global shapes and plan it; ``weak``
     marks Python scalars, which JAX types weakly (``x * 2.0`` keeps ``x``'s dtype). ``pins(out_tree, n_out)``
-    gives per output the placements it is pinned to, or None; ``name`` is the function's, for errors."""
+    gives per output the placements it is pinned to, or None; ``name`` is the function's, for errors;
+    ``cost_model`` prices the plan (None: the model in force)."""
     weak = weak or [False] * len(specs)
     avals = [jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=w) for s, w in zip(specs, weak)]
 
@@ -77,7 +80,8 @@ def trace(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, pins: Callable[[
     pinned = [None if pin is None else Spec.create(mesh, pin, a.shape, a.dtype, where=f"out_placements (output {i})")
               for i, (pin, a) in enumerate(zip(pins(out_tree, len(closed.out_avals)), closed.out_avals))]
     lifted = [_lifted(c, mesh, name) for c in open_jaxpr(closed)[1]]
-    plan = plan_jaxpr(closed, specs, mesh, pinned, [d.spec if d is not None else None for d in lifted])
+    with pricing(cost_model or model_in_force()):
+        plan = plan_jaxpr(closed, specs, mesh, pinned, [d.spec if d is not None else None for d in lifted])
     return Traced(out_tree, plan, pinned, [d for d in lifted if d is not None])
 
 
@@ -122,8 +126,9 @@ class Program:
         self._in_flight: collections.deque = collections.deque()
         self._compiled = False  # the first call traces the body and compiles it (see _paused_collector)
 
-        def body(*blocks):
-            results = run(*[local_of(b, s) for b, s in zip(blocks, in_specs)])
+        def body(*blocks):  # traced by the first call, under the model that planned it (the lowering prices too)
+            with pricing(traced.plan.cost_model):
+                results = run(*[local_of(b, s) for b, s in zip(blocks, in_specs)])
             token = [jnp.zeros((), jnp.bool_)] if self._bounded else []
             return [block_of(r) for r in results + token]
 
@@ -185,12 +190,13 @@ class Program:
 
 def compile_program(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, pins: Callable[[Any, int], list],
                     donated: tuple[int, ...] = (), weak: list[bool] | None = None, *, name: str = "",
-                    where: Callable[[int], str] = str) -> Program:
+                    where: Callable[[int], str] = str, cost_model: CostModel | None = None) -> Program:
     """``trace`` and compile: the ``Program`` of ``fn`` for inputs with ``specs``; ``name`` and ``where(leaf)``
-    (the user's name for an input leaf) make a call's errors name the function and the argument."""
+    (the user's name for an input leaf) make a call's errors name the function and the argument; ``cost_model``
+    prices the plan and its lowering (None: the model in force)."""
     with _paused_collector():
-        return Program(trace(fn, treedef, specs, mesh, pins, weak, name), specs, mesh, donated, name=name,
-                       where=where)
+        return Program(trace(fn, treedef, specs, mesh, pins, weak, name, cost_model), specs, mesh, donated,
+                       name=name, where=where)
 
 
 @contextlib.contextmanager

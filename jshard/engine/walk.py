@@ -28,9 +28,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from ..cost import CostModel
 from ..jaxcompat import inlined_call, jc, open_jaxpr, source_info_util
 from ..placements import Replicate
-from ..planner import DEFAULT_COST_MODEL, Plan, plan_redistribute
+from ..planner import Plan, model_in_force, plan_redistribute
 from ..propagate import Choice, alternatives, select
 from ..rules.registry import has_rule, rule_for
 from ..spec import Spec
@@ -88,12 +89,14 @@ class EquationPlan:
 
 @dataclass
 class JaxprPlan:
-    """A walked jaxpr: its input vars, the equations that stay live, its outputs and their specs."""
+    """A walked jaxpr: its input vars, the equations that stay live, its outputs and their specs, and the cost
+    model that priced it (its outputs' moves and its lowering are priced by it too)."""
 
     in_vars: list
     equations: list[EquationPlan]
     outs: list  # per output: a Value, or a jc.Literal (a constant output)
     out_specs: list[Spec]
+    cost_model: CostModel
 
     @property
     def cost(self) -> float:
@@ -170,7 +173,7 @@ def plan_jaxpr(closed: jc.ClosedJaxpr, specs: list[Spec], mesh: Mesh, pinned: li
     out_specs = [replicated(mesh, np.shape(o.val), o.aval.dtype) if isinstance(o, jc.Literal) else env[o]
                  for o in outs]  # a constant output is replicated: every device holds it whole
     inputs = [v for v, s in zip(jaxpr.constvars, lifted) if s is not None] + list(jaxpr.invars)
-    return JaxprPlan(inputs, equations, outs, out_specs)
+    return JaxprPlan(inputs, equations, outs, out_specs, model_in_force())
 
 
 def replicated(mesh: Mesh, shape, dtype) -> Spec:
@@ -372,7 +375,7 @@ def _shrink(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh, pi
                 if _new_collectives(specs, eq.choice.ins, choice.ins):  # its inputs move instead of its output
                     kept = written <= 0 and cost < was - 1e-9 and sent <= sent_before
                 else:
-                    kept = written < 0 and cost - was + DEFAULT_COST_MODEL.local(written) < -1e-9
+                    kept = written < 0 and cost - was + model_in_force().local(written) < -1e-9
                 if kept:
                     _apply(equations, env, trial)
                     break

@@ -37,9 +37,11 @@ from flax import nnx
 
 from ..api import constrain, jit, same_as
 from ..arguments import is_darray
+from ..cost import CostModel
 from ..darray import DArray
 from ..explanation import Explanation
 from ..placements import Replicate
+from ..planner import check_cost_model
 from .parallelize import holds_darray, kind_of, placements_of
 
 __all__ = ["TrainStep", "init_optimizer"]
@@ -63,10 +65,11 @@ class TrainStep:
 
     Call it with a batch (DArrays, arrays) to take a step; it returns the loss (a replicated DArray).
     ``.model`` is the model with the current parameters, ``.explain(*batch)`` the plan of a step.
+    ``cost_model`` prices the step's plan, as in ``jshard.jit``.
     """
 
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, loss_fn: Callable, *,
-                 donate: bool = True):
+                 donate: bool = True, cost_model: CostModel | None = None):
         if not isinstance(model, nnx.Module):
             raise TypeError("TrainStep: model must be a Flax nnx.Module made parallel by jshard.parallel.parallelize, "
                             f"got {kind_of(model)}")
@@ -76,6 +79,8 @@ class TrainStep:
                             f"{type(loss_fn).__name__} {loss_fn!r}")
         if not isinstance(donate, bool):
             raise TypeError(f"TrainStep: donate must be True or False, got {donate!r}")
+        if cost_model is not None:
+            check_cost_model(cost_model, "TrainStep")
         self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
         if not holds_darray(self.params):
             raise ValueError(f"TrainStep: the parameters of {type(model).__name__} are not DArrays: the model was not "
@@ -103,7 +108,7 @@ class TrainStep:
 
         mesh_rank = next(filter(is_darray, jax.tree.leaves(self.params, is_leaf=is_darray))).mesh.devices.ndim
         self._step = jit(step, out_placements=(same_as(0), same_as(1), None, (Replicate(),) * mesh_rank),
-                         donate_argnums=(0, 1) if donate else ())
+                         donate_argnums=(0, 1) if donate else (), cost_model=cost_model)
 
     def __call__(self, *batch) -> DArray:
         self.params, self.opt_state, self.rest, loss = self._step(self.params, self.opt_state, self.rest, *batch)
