@@ -3,8 +3,9 @@
 A collective over a group of ``n`` devices costs a launch, a latency per hop and the bytes each device
 moves divided by the link bandwidth. Mesh axes can be given their own latency and bandwidth (a fast
 intra-host axis next to a slow inter-host one); a collective over an axis tuple runs at the pace of its
-slowest axis. Costs are in microseconds. A device writing its own memory is priced too (``memory_gbps``): the
-planner weighs a move it adds against the bytes a smaller local block saves writing.
+slowest axis. Costs are in microseconds. A device writing its own memory is priced too (``memory_gbps``, and
+``kernel_us`` a kernel): the planner weighs a move it adds against the bytes a smaller local block saves writing,
+and the lowering weighs the latency that arrays sharing one collective save against the kernels that pack them.
 
 >>> model = CostModel(axes={"dp": AxisCost(latency_us=10.0, bandwidth_gbps=5.0)})
 >>> model.collective("all_reduce", ("dp",), 4, 1 << 20) > model.collective("all_reduce", ("tp",), 4, 1 << 20)
@@ -43,13 +44,15 @@ class CostModel:
     """Alpha-beta costs per mesh axis; ``axes`` maps axis names to their ``AxisCost``.
 
     Defaults are DTensor's inter-host figures (2.7 µs per hop, 19.3 GB/s, 6.6 µs launch); ``memory_gbps`` is a
-    device's bandwidth to its own memory, ten times the link's.
+    device's bandwidth to its own memory, ten times the link's; ``kernel_us`` what one more local kernel costs
+    besides its bytes (a GPU kernel's launch is a few µs).
     """
 
     launch_us: float = 6.6
     default: AxisCost = AxisCost()
     axes: Mapping[str, AxisCost] = field(default_factory=dict)
     memory_gbps: float = 200.0
+    kernel_us: float = 4.0
 
     def __post_init__(self):
         # frozen + hashable: plans are cached per cost model
@@ -57,13 +60,17 @@ class CostModel:
         if not (isinstance(self.memory_gbps, (int, float)) and self.memory_gbps > 0):
             raise ValueError(f"CostModel: memory_gbps is a device's bandwidth to its own memory in GB/s, a positive "
                              f"number; got {self.memory_gbps!r} (the default is 200.0)")
+        if not (isinstance(self.kernel_us, (int, float)) and self.kernel_us >= 0):
+            raise ValueError(f"CostModel: kernel_us is what one more local kernel costs in µs besides its bytes, a "
+                             f"number >= 0; got {self.kernel_us!r} (the default is 4.0)")
 
     def axis(self, name: str) -> AxisCost:
         return dict(self.axes).get(name, self.default)
 
-    def local(self, nbytes: float) -> float:
-        """Cost in µs of a device writing ``nbytes`` of its own memory (an equation's output block)."""
-        return nbytes / (self.memory_gbps * 1e3)
+    def local(self, nbytes: float, kernels: int = 0) -> float:
+        """Cost in µs of a device writing ``nbytes`` of its own memory (an equation's output block), in ``kernels``
+        kernels of its own (0: written by a kernel it runs anyway)."""
+        return kernels * self.kernel_us + nbytes / (self.memory_gbps * 1e3)
 
     def collective(self, kind: str, axis_names: tuple[str, ...], group_size: int, nbytes: float, *,
                    launch: bool = True) -> float:

@@ -80,8 +80,9 @@ def local_programs(plans: Sequence[Plan]) -> Callable[[list], list]:
     a device): one rendezvous of the devices instead of one per array, as XLA's combiner does for all-reduces (it
     has none for these on CPU). Only latency-bound ones share (by the default cost model, up to 0.1-0.6 MB a
     device by kind and group size): a larger array saves little latency and would be copied into and out of the
-    buffer. A training step's gradients, each reduce-scattered to its parameter's shard, go together so, and so
-    do the gathers of a module's sharded parameters; ``shared_collectives`` says which steps share.
+    buffer; and a bucket shares only where the latency it saves pays for the kernels that pack and cut it. A
+    training step's gradients, each reduce-scattered to its parameter's shard, go together so, and so do the
+    gathers of a module's sharded parameters; ``shared_collectives`` says which steps share.
 
         >>> import jax, numpy as np, jshard
         >>> from jshard import Partial, Shard
@@ -127,7 +128,7 @@ def shared_collectives(plans: Sequence[Plan]) -> list[list[tuple[int, int]]]:
 def _buckets(plans: Sequence[Plan]) -> list[list[list[int]]]:
     """Per step index, the plans whose sum reduce-scatters (all-gathers) at that step share a collective: grouped
     by kind, axes and dtype, in order, cut where a bucket would pass ``BUCKET_BYTES`` a device (a larger one goes
-    alone)."""
+    alone); a bucket whose sharing does not pay (``_pays_to_share``) goes one by one."""
     out = []
     for k in range(max((len(p.steps) for p in plans), default=0)):
         groups: dict = {}
@@ -146,8 +147,22 @@ def _buckets(plans: Sequence[Plan]) -> list[list[list[int]]]:
                     held = 0
                 rounds[-1].append(i)
                 held += size
-        out.append(rounds)
+        out.append([r for bucket in rounds for r in
+                    ([bucket] if _pays_to_share([plans[i] for i in bucket], k) else [[i] for i in bucket])])
     return out
+
+
+def _pays_to_share(plans: list[Plan], k: int) -> bool:
+    """Do the plans' steps ``k`` (one kind, axes and dtype) cost less in one collective than in one each, by the
+    cost model in force: the launches and hops it saves against the kernels that pack the shared buffer and cut it
+    (one, and one per array) and the bytes they copy. Two small all-gathers over two devices do not pay (measured
+    on the FSDP2 x TP4 toy GPT: a step 10-20% slower on XLA:CPU when its parameter pairs were gathered together)."""
+    steps = [p.steps[k] for p in plans]
+    n = math.prod(plans[0].src.mesh.shape[a] for a in steps[0].axes)
+    model = model_in_force()
+    saved = (len(steps) - 1) * model.collective(steps[0].kind, steps[0].axes, n, 0)
+    out_per_in = n if steps[0].kind == "all_gather" else 1 / n
+    return saved > model.local(sum(s.bytes for s in steps) * (1 + out_per_in), kernels=len(steps) + 1)
 
 
 def _shares(step: Step, plan: Plan) -> bool:

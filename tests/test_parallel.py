@@ -92,7 +92,8 @@ def test_fsdp_inside_tp_gathers_and_reduce_scatters_with_one_collective_each():
 def test_fully_shard_on_a_module_gathers_every_parameter_inside_it_together(units, collectives):
     """torch's fully_shard(block): a FullyShard matched on a module without parameters of its own shards every
     parameter inside it that no nearer FullyShard takes, and gathers them together when the module runs (one
-    all-gather a unit); TP styles inside keep their axis, with FSDP cutting inside each TP block."""
+    all-gather a unit); TP styles inside keep their axis, with FSDP cutting inside each TP block. Kernels are
+    priced free, so that a unit of two small parameters shares one too (whether that pays is test_redistribute's)."""
     mesh = make_mesh((2, 4))
     p, _ = plan("tp")
     blocks = {f"blocks/{i}": FullyShard("dp") for i in range(L)}
@@ -105,7 +106,7 @@ def test_fully_shard_on_a_module_gathers_every_parameter_inside_it_together(unit
     assert blk.ln1.scale.get_value().placements == (Shard(0), R)
     head = model.head.kernel.get_value().placements
     assert head == ((R, Shard(1)) if units == "blocks" else (Shard(0), Shard(1)))  # tok, pos, ln, head: no unit
-    step = TrainStep(model, optax.sgd(0.1), loss_fn)
+    step = TrainStep(model, optax.sgd(0.1), loss_fn, cost_model=jshard.CostModel(kernel_us=0.0))
     ids, labels = batch()
     data = [jshard.distribute(a, mesh, [Shard(0), R]) for a in (ids, labels)]
     ex = step.explain(*data)
@@ -310,23 +311,25 @@ def test_tensor_parallel_backward_reduces_once_per_attention_and_mlp():
     assert all(m[3] == B * T * D * 4 // 2 for m in blocks)  # (batch/dp, seq, features) float32 each
 
 
-@pytest.mark.parametrize("style,want", [
-    ("dp", {"all_reduce": "params+1"}),  # one all-reduce per gradient, and the loss
-    # a gather per module, of its parameters together; the gradients' reduce-scatters, made together at the end,
-    # share one collective
-    ("fsdp", {"all_gather": "modules", "reduce_scatter": 1, "all_reduce": 1}),
-])
-def test_a_training_step_moves_each_parameter_once(style, want):
+@pytest.mark.parametrize("style,kernel_us,want", [
+    ("dp", 4.0, {"all_reduce": "params+1"}),  # one all-reduce per gradient, and the loss
+    # the gradients' reduce-scatters, made together at the end, share one collective; a module's parameters are
+    # gathered together, in one collective where packing them is free, one by one where it does not pay (a
+    # module holds one or two parameters, and two small all-gathers over two devices do not by the default model)
+    ("fsdp", 0.0, {"all_gather": "modules", "reduce_scatter": 1, "all_reduce": 1}),
+    ("fsdp", 4.0, {"all_gather": "params", "reduce_scatter": 1, "all_reduce": 1}),
+], ids=["dp", "fsdp-free-kernels", "fsdp"])
+def test_a_training_step_moves_each_parameter_once(style, kernel_us, want):
     mesh = make_mesh((2, 4))
     p, default = plan(style)
     model = parallelize(gpt(), mesh, p, default=default)
     n = len(jax.tree.leaves(nnx.state(model, nnx.Param), is_leaf=lambda a: isinstance(a, jshard.DArray)))
     modules = len({path[:-1] for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Param)})
-    step = TrainStep(model, optax.adamw(1e-2), loss_fn)
+    step = TrainStep(model, optax.adamw(1e-2), loss_fn, cost_model=jshard.CostModel(kernel_us=kernel_us))
     args = [jshard.distribute(a, mesh, (Shard(0), R)) for a in batch()]
     ex = step.explain(*args)
     counts = {k: c for k, (c, _) in ex.totals.items()}
-    assert counts == {k: {"modules": modules, "params+1": n + 1}.get(v, v) for k, v in want.items()}
+    assert counts == {k: {"modules": modules, "params": n, "params+1": n + 1}.get(v, v) for k, v in want.items()}
     moves = [(m[1], shared) for r in ex.rows for m, shared in zip(r["moves"], r["shared"])]
     assert sum(shared for kind, shared in moves if kind == "reduce_scatter") == (n if style == "fsdp" else 0)
     lowered = _stablehlo(step.lower(*args).as_text())

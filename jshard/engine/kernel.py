@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from ..jaxcompat import jc
 from ..local import coordinates_read_once
 from ..lowering import local_program, local_programs
-from ..planner import Plan, plan_redistribute
+from ..planner import Plan, plan_redistribute, pricing
 from ..rules.registry import has_rule, rule_for
 from .constrain import constrain_p
 from .walk import REUSED, JaxprPlan
@@ -66,17 +66,18 @@ def local_function(plan: JaxprPlan, pins: list | None = None) -> Callable:
 
     Consecutive constraints (a training step's gradients pinned to their parameters' placements) move their
     operands side by side, and so do the outputs moved to ``pins``: their reduce-scatters and all-gathers share
-    collectives (``jshard.lowering.local_programs``).
+    collectives (``jshard.lowering.local_programs``), where the model that priced ``plan`` says sharing pays.
     """
     finals = out_moves(plan, pins or [None] * len(plan.outs))
-    finish = local_programs([m for m in finals if m is not None])
     kernels = [eq.kernel or ((lambda x: [x]) if eq.eqn.primitive is constrain_p else
                              local_equation(eq.eqn.primitive, eq.eqn.params, eq.choice.ins, eq.choice.outs))
                for eq in plan.equations]
     runs = _constraint_runs(plan.equations)
     moves = [[local_program(op.move) if _moving(op) and len(runs[i]) == 1 else None for op in eq.operands]
              for i, eq in enumerate(plan.equations)]
-    together = {run[0]: local_programs(_run_moves(plan, run)) for run in set(runs) if len(run) > 1}
+    with pricing(plan.cost_model):  # which moves share a collective is decided here, once
+        finish = local_programs([m for m in finals if m is not None])
+        together = {run[0]: local_programs(_run_moves(plan, run)) for run in set(runs) if len(run) > 1}
 
     @coordinates_read_once()
     def run(*blocks):
