@@ -158,11 +158,10 @@ def _pays_to_share(plans: list[Plan], k: int) -> bool:
     (one, and one per array) and the bytes they copy. Two small all-gathers over two devices do not pay (measured
     on the FSDP2 x TP4 toy GPT: a step 10-20% slower on XLA:CPU when its parameter pairs were gathered together)."""
     steps = [p.steps[k] for p in plans]
-    n = math.prod(plans[0].src.mesh.shape[a] for a in steps[0].axes)
-    model = model_in_force()
-    saved = (len(steps) - 1) * model.collective(steps[0].kind, steps[0].axes, n, 0)
+    n, fixed = _group_and_latency(steps[0], plans[0])
     out_per_in = n if steps[0].kind == "all_gather" else 1 / n
-    return saved > model.local(sum(s.bytes for s in steps) * (1 + out_per_in), kernels=len(steps) + 1)
+    copied = sum(s.bytes for s in steps) * (1 + out_per_in)
+    return (len(steps) - 1) * fixed > model_in_force().local(copied, kernels=len(steps) + 1)
 
 
 def _shares(step: Step, plan: Plan) -> bool:
@@ -171,10 +170,14 @@ def _shares(step: Step, plan: Plan) -> bool:
     latency and pays for being copied into and out of the shared buffer."""
     if not (step.kind == "all_gather" or (step.kind, step.op) == ("reduce_scatter", "sum")):
         return False
+    n, fixed = _group_and_latency(step, plan)
+    return model_in_force().collective(step.kind, step.axes, n, step.bytes) <= 2 * fixed
+
+
+def _group_and_latency(step: Step, plan: Plan) -> tuple[int, float]:
+    """The devices in ``step``'s collective, and what it costs without its bytes (launch and hops)."""
     n = math.prod(plan.src.mesh.shape[a] for a in step.axes)
-    model = model_in_force()
-    fixed = model.collective(step.kind, step.axes, n, 0)
-    return model.collective(step.kind, step.axes, n, step.bytes) <= 2 * fixed
+    return n, model_in_force().collective(step.kind, step.axes, n, 0)
 
 
 # ---------------------------------------------------------------------------------------------------

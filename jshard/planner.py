@@ -193,7 +193,7 @@ def check_cost_model(cost_model, where: str) -> CostModel:
     """``cost_model``, or the model in force for None (see ``pricing``); anything else is a TypeError naming
     ``where``."""
     if cost_model is None:
-        return _IN_FORCE.get()
+        return model_in_force()
     if not isinstance(cost_model, CostModel):
         raise TypeError(f"{where}: cost_model must be a jshard.CostModel or None, got {cost_model!r}; e.g. "
                         "jshard.CostModel(axes={'dp': jshard.AxisCost(latency_us=10.0, bandwidth_gbps=5.0)})")

@@ -126,9 +126,8 @@ class Program:
         self._in_flight: collections.deque = collections.deque()
         self._compiled = False  # the first call traces the body and compiles it (see _paused_collector)
 
-        def body(*blocks):  # traced by the first call, under the model that planned it (the lowering prices too)
-            with pricing(traced.plan.cost_model):
-                results = run(*[local_of(b, s) for b, s in zip(blocks, in_specs)])
+        def body(*blocks):
+            results = run(*[local_of(b, s) for b, s in zip(blocks, in_specs)])
             token = [jnp.zeros((), jnp.bool_)] if self._bounded else []
             return [block_of(r) for r in results + token]
 
