@@ -57,10 +57,10 @@ class CostModel:
     def __post_init__(self):
         # frozen + hashable: plans are cached per cost model
         object.__setattr__(self, "axes", tuple(sorted(dict(self.axes).items())))
-        if not (isinstance(self.memory_gbps, (int, float)) and self.memory_gbps > 0):
+        if not (_number(self.memory_gbps) and self.memory_gbps > 0):
             raise ValueError(f"CostModel: memory_gbps is a device's bandwidth to its own memory in GB/s, a positive "
                              f"number; got {self.memory_gbps!r} (the default is 200.0)")
-        if not (isinstance(self.kernel_us, (int, float)) and self.kernel_us >= 0):
+        if not (_number(self.kernel_us) and self.kernel_us >= 0):
             raise ValueError(f"CostModel: kernel_us is what one more local kernel costs in µs besides its bytes, a "
                              f"number >= 0; got {self.kernel_us!r} (the default is 4.0)")
 
@@ -87,3 +87,8 @@ class CostModel:
             + hops * latency
             + nbytes * _VOLUME[kind](group_size) / (bandwidth * 1e3)
         )
+
+
+def _number(x) -> bool:
+    """An int or float, not a bool (``True`` is an int to Python, never a meant cost)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

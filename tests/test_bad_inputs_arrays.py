@@ -185,6 +185,8 @@ CASES = [
      r"^CostModel: memory_gbps is a device's bandwidth to its own memory in GB/s, a positive number; got 0"),
     ("cost-model-kernel", lambda i: jshard.CostModel(kernel_us="4"), ValueError,
      r"^CostModel: kernel_us is what one more local kernel costs in µs besides its bytes, a number >= 0; got '4'"),
+    ("cost-model-kernel-bool", lambda i: jshard.CostModel(kernel_us=True), ValueError,
+     r"^CostModel: kernel_us is what one more local kernel costs in µs besides its bytes, a number >= 0; got True"),
     ("plan-src", lambda i: jshard.plan_redistribute(i.value, [R, R]), TypeError,
      r"^plan_redistribute: src must be a DArray or a Spec, got ndarray"),
     ("plan-target-none", lambda i: jshard.plan_redistribute(i.x, None), PlacementError,
