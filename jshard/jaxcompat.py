@@ -17,8 +17,6 @@ name here (from)           why                                                  
 ``ad``, ``batching``,      the ``jshard_constrain`` primitive's transpose,      none: a marked identity that
 ``mlir``                   vmap and lowering                                    survives ``make_jaxpr`` needs a
 (``jax.interpreters``)                                                          primitive
-``threefry2x32_p``         partitionable random bits: each device hashes its    ``jax.extend.random.threefry_2x32``
-(``jax.extend.random``)    own counters with the key's words                    takes one key, not per-element keys
 =========================  ===================================================  ==================================
 
 ``jax.core.Tracer`` and ``jax.core.ShapedArray`` are public (``jax.core`` keeps them) and are used as they are.
@@ -42,11 +40,10 @@ from typing import Any, NamedTuple
 
 from jax.extend import core as jc
 from jax.extend import source_info_util
-from jax.extend.random import threefry2x32_p
 from jax.interpreters import ad, batching, mlir
 
 __all__ = ["Scan", "While", "ad", "batching", "cond_branches", "inlined_call", "jc", "mlir", "open_jaxpr",
-           "scan_params", "source_info_util", "threefry2x32_p", "while_params"]
+           "scan_params", "source_info_util", "while_params"]
 
 # calls whose body runs as it is, by the param holding the body: the engine follows them inline (autodiff
 # already happened when the jaxpr was traced); ``remat2`` is ``jax.checkpoint``, named ``checkpoint`` in the

@@ -107,6 +107,7 @@ CASES = [
     ((2, 4), (Shard(1), StridedShard(1, 3)), (2, 11)),
     ((2, 2, 2), (Shard(2), Replicate(), Shard(0)), (3, 4, 5)),
     ((2, 2, 2), (Shard(0), Shard(0), Shard(0)), (7,)),
+    ((2, 4), (R, R), (5, 3)),  # replicated: every device draws the whole shape, hashing as the sharded draws do
 ]
 
 
@@ -149,6 +150,20 @@ def test_linear_index_beyond_32_bits():
     got = (np.asarray(hi).astype(np.uint64) << np.uint64(32)) | np.asarray(lo).astype(np.uint64)
     assert np.array_equal(got, want)
 
+
+
+def test_threefry_written_out_equals_jax_hash():
+    # jshard's elementwise hash against JAX's primitive: one key (scalar words) and a key per element
+    from jax.extend.random import threefry2x32_p
+
+    from jshard.rules.random import threefry2x32
+
+    rng = np.random.default_rng(0)
+    x0, x1, k0, k1 = (rng.integers(0, 2**32, (3, 7), dtype=np.uint64).astype(np.uint32) for _ in range(4))
+    for keys in [(np.uint32(0), np.uint32(2**32 - 1)), (k0, k1)]:
+        want = threefry2x32_p.bind(*keys, x0, x1)
+        got = jax.jit(threefry2x32)(*keys, x0, x1)
+        assert all(np.array_equal(np.asarray(g), np.asarray(w)) for g, w in zip(got, want))
 
 def test_batched_keys_sharded_with_their_draws():
     # 5 keys sharded on dp, each key's draw sharded on tp: both at once

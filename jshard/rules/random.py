@@ -16,9 +16,11 @@ JAX defaults) element ``i`` (the row-major linear index inside ``shape``) of key
 
 so a device can draw exactly its own elements from their global indices, whatever the layout (uneven,
 strided, several mesh axes on one dim): the local function below does that, and the result equals the
-single-device draw bit for bit. An output shard on a ``shape`` dim is offered as a placeholder, so it is
-taken only when the key itself is sharded (then on another mesh axis); tests call the local function
-with sharded outputs directly.
+single-device draw bit for bit. It hashes with ``threefry2x32`` below, the rounds written out as elementwise
+ops, so a draw and what is made of it (a uniform, a truncated normal) fuse into one kernel that holds nothing
+but its output: a parameter initialiser's peak is its parameters. An output shard on a ``shape`` dim is
+offered as a placeholder, so it is taken only when the key itself is sharded (then on another mesh axis);
+tests call the local function with sharded outputs directly.
 
 >>> import jax, jax.numpy as jnp; from jax.core import ShapedArray
 >>> key = jax.random.key(0)
@@ -34,8 +36,8 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from ..jaxcompat import threefry2x32_p
 from ..local import PerDevice
 from ..spec import Spec
 from .algebra import R, pointwise
@@ -90,14 +92,44 @@ def linear_index(parts: list[tuple], block: tuple[int, ...]) -> tuple:
     return hi, lo
 
 
+def threefry2x32(k0, k1, x0, x1) -> tuple:
+    """Threefry-2x32 with 20 rounds (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011) of
+    the counters ``(x0, x1)`` under the key words ``(k0, k1)``, all uint32 (scalars broadcast), as elementwise ops.
+
+    JAX lowers its ``threefry2x32`` primitive on CPU as a loop over the rounds, whose state holds both counters
+    at full size, and XLA:CPU runs every draw's loop before any draw's conversion to floats: a model's
+    initialiser then holds twice its parameters in counters (1.8x the parameters in temporaries, GSPMD's program
+    alike). Written out, the hash fuses with the counters before it and the conversions after it.
+
+    >>> import jax, numpy as np
+    >>> k = np.asarray(jax.random.key_data(jax.random.key(7)))
+    >>> x0, x1 = threefry2x32(k[0], k[1], np.zeros(4, np.uint32), np.arange(4, dtype=np.uint32))
+    >>> bool((np.asarray(x0 ^ x1) == np.asarray(jax.random.bits(jax.random.key(7), (4,)))).all())
+    True
+    """
+    k2 = lax.bitwise_xor(lax.bitwise_xor(k0, k1), np.uint32(0x1BD11BDA))
+    keys = (k0, k1, k2)
+    x0, x1 = lax.add(x0, k0), lax.add(x1, k1)
+    for i in range(5):  # five groups of four rounds, a key injection after each
+        for r in _ROTATIONS[i % 2]:
+            x0 = lax.add(x0, x1)
+            x1 = lax.bitwise_or(lax.shift_left(x1, np.uint32(r)), lax.shift_right_logical(x1, np.uint32(32 - r)))
+            x1 = lax.bitwise_xor(x0, x1)
+        x0 = lax.add(x0, keys[(i + 1) % 3])
+        x1 = lax.add(lax.add(x1, keys[(i + 2) % 3]), np.uint32(i + 1))
+    return x0, x1
+
+
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
 def _bits_local(prim, params, in_specs, out_specs):
     key_spec, out_spec = in_specs[0], out_specs[0]
     kr, shape, width = key_spec.rank, tuple(params["shape"]), params["bit_width"]
-    if not any(out_spec.chain(kr + j) for j in range(len(shape))):
-        # only key dims are sharded (or none): every device draws the full shape for its own keys
-        return lambda keys: [prim.bind(keys, **params)]
-    if not _partitionable(key_spec.dtype):  # the rule never shards these draws; refuse rather than guess
-        raise ValueError(f"random_bits: {key_spec.dtype} draws cannot be split by element index")
+    if not _partitionable(key_spec.dtype):
+        if any(out_spec.chain(kr + j) for j in range(len(shape))):  # the rule never shards these; refuse to guess
+            raise ValueError(f"random_bits: {key_spec.dtype} draws cannot be split by element index")
+        return lambda keys: [prim.bind(keys, **params)]  # every device draws the full shape for its own keys
     tables = _count_tables(out_spec, kr, shape)
     block = out_spec.local_block_shape
     dtype = jnp.dtype(f"uint{width}")
@@ -110,7 +142,7 @@ def _bits_local(prim, params, in_specs, out_specs):
         k1, k2 = ((data[..., i] if kr == 0 else
                    jnp.broadcast_to(jnp.reshape(data[..., i], data.shape[:-1] + (1,) * len(shape)), block))
                   for i in (0, 1))
-        x0, x1 = threefry2x32_p.bind(k1, k2, jnp.broadcast_to(hi, block), jnp.broadcast_to(lo, block))
+        x0, x1 = threefry2x32(k1, k2, jnp.broadcast_to(hi, block), jnp.broadcast_to(lo, block))
         if width == 64:
             return [(x0.astype(dtype) << dtype.type(32)) | x1.astype(dtype)]
         return [(x0 ^ x1).astype(dtype)]

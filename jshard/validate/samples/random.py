@@ -8,8 +8,7 @@ checked for sharded outputs by the tests, which call the local function directly
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from ...jaxcompat import threefry2x32_p
+from jax.extend.random import threefry_2x32
 
 _DATA = np.array([12345, 678], np.uint32)
 _BATCH = np.array(jax.random.key_data(jax.random.split(jax.random.key(3), 5)))  # 5 keys: uneven on 2, 3, 4
@@ -41,7 +40,6 @@ PROGRAMS = [
     (lambda d: jax.vmap(lambda k: jax.random.bits(k, (3,)))(_key(d)), (_BATCH,)),
     (lambda d: jax.vmap(lambda k: jax.random.bits(k, (2, 5), jnp.uint8))(_key(d)), (_BATCH4,)),
     (lambda d: jax.vmap(lambda k: jax.random.bernoulli(k, 0.3, (6,)))(_key(d)), (_BATCH,)),
-    # the hash itself, as the partitionable bits' local function binds it: per-element keys and counters
-    (lambda c0, c1: tuple(threefry2x32_p.bind(np.uint32(7), np.uint32(9), c0, c1)),
-     (np.arange(5, dtype=np.uint32), np.arange(5, dtype=np.uint32) * 3 + 1)),
+    # the hash primitive itself, as a user may bind it: one key, the counters split in halves
+    (lambda c: threefry_2x32((np.uint32(7), np.uint32(9)), c), (np.arange(10, dtype=np.uint32) * 3 + 1,)),
 ]
