@@ -23,6 +23,7 @@ import collections
 import math
 import os
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -135,12 +136,15 @@ class DArray:
     def __int__(self) -> int:
         return int(self._scalar("int"))
 
-    def _scalar(self, where: str) -> jax.Array:
+    def _scalar(self, where: str) -> Any:
         """The value of a 0-d DArray, which is all ``float(jax_array)`` takes."""
         self._check_live(where)
         if self.ndim:
             raise TypeError(f"{where}: {self!r} is not a scalar; only a 0-d DArray converts to a Python number "
                             "(x.full() gives the whole value)")
+        if all(isinstance(p, Replicate) for p in self.placements):
+            # every device holds the value (a training step's loss): read one, compiling nothing
+            return np.asarray(self.block.addressable_shards[0].data)[0]
         return self.full()
 
     def to_jax(self) -> jax.Array:

@@ -33,12 +33,15 @@ from .local import PerDevice, at_origin, coordinates_read_once, opaque_ints, red
 from .planner import Plan, Step, model_in_force
 from .spec import Spec, block_of, block_sharding, local_of
 
-__all__ = ["BUCKET_BYTES", "compile_plan", "local_program", "local_programs", "ordered_reduce", "reduce_identity",
-           "shared_collectives"]
+__all__ = ["BUCKET_BYTES", "MIN_SAVING", "compile_plan", "local_program", "local_programs", "ordered_reduce",
+           "reduce_identity", "shared_collectives"]
 
 # the most a device's buffer of reduce-scatters sharing one collective holds (XLA:GPU's combiners use a few tens of
 # MB too): bigger buckets save no latency, and every array in one waits for the last to be ready
 BUCKET_BYTES = 32 << 20
+
+# the least share of its collectives' one-by-one cost that a shared collective must save (``_pays_to_share``)
+MIN_SAVING = 1 / 3
 
 
 @memo(4096)
@@ -80,9 +83,10 @@ def local_programs(plans: Sequence[Plan]) -> Callable[[list], list]:
     a device): one rendezvous of the devices instead of one per array, as XLA's combiner does for all-reduces (it
     has none for these on CPU). Only latency-bound ones share (by the default cost model, up to 0.1-0.6 MB a
     device by kind and group size): a larger array saves little latency and would be copied into and out of the
-    buffer; and a bucket shares only where the latency it saves pays for the kernels that pack and cut it. A
-    training step's gradients, each reduce-scattered to its parameter's shard, go together so, and so do the
-    gathers of a module's sharded parameters; ``shared_collectives`` says which steps share.
+    buffer; and a bucket shares only where the latency it saves, less the kernels that pack and cut it, is a clear
+    share of what its collectives cost one by one (``MIN_SAVING``). A training step's gradients, each
+    reduce-scattered to its parameter's shard, go together so, and so do the gathers of a block's sharded
+    parameters (a module's two are not worth it); ``shared_collectives`` says which steps share.
 
         >>> import jax, numpy as np, jshard
         >>> from jshard import Partial, Shard
@@ -117,9 +121,12 @@ def shared_collectives(plans: Sequence[Plan]) -> list[list[tuple[int, int]]]:
 
         >>> import jax, numpy as np, jshard
         >>> mesh = jax.make_mesh((8,), ("dp",))
-        >>> grads = [jshard.from_local([np.ones(s, np.float32)] * 8, mesh, [jshard.Partial()]) for s in [(8,), (4, 2)]]
+        >>> grads = [jshard.from_local([np.ones(s, np.float32)] * 8, mesh, [jshard.Partial()])
+        ...          for s in [(8,), (4, 2), (16,)]]
         >>> shared_collectives([jshard.plan_redistribute(g, [jshard.Shard(0)]) for g in grads])  # one reduce-scatter
-        [[(0, 0), (1, 0)]]
+        [[(0, 0), (1, 0), (2, 0)]]
+        >>> shared_collectives([jshard.plan_redistribute(g, [jshard.Shard(0)]) for g in grads[:2]])  # a pair: no
+        []
     """
     return [[(i, k) for i in bucket] for k, rounds in enumerate(_buckets(plans)) for bucket in rounds
             if len(bucket) > 1]
@@ -153,15 +160,22 @@ def _buckets(plans: Sequence[Plan]) -> list[list[list[int]]]:
 
 
 def _pays_to_share(plans: list[Plan], k: int) -> bool:
-    """Do the plans' steps ``k`` (one kind, axes and dtype) cost less in one collective than in one each, by the
-    cost model in force: the launches and hops it saves against the kernels that pack the shared buffer and cut it
-    (one, and one per array) and the bytes they copy. Two small all-gathers over two devices do not pay (measured
-    on the FSDP2 x TP4 toy GPT: a step 10-20% slower on XLA:CPU when its parameter pairs were gathered together)."""
+    """Do the plans' steps ``k`` (one kind, axes and dtype) cost clearly less in one collective than in one each,
+    by the cost model in force: the launches and hops it saves, less the kernels that pack the shared buffer and
+    cut it (one, and one per array) and the bytes they copy, must be at least ``MIN_SAVING`` of what the
+    collectives cost one by one. A smaller saving is within the model's error, and the kernels are paid for again
+    by every compilation of the program. Measured on the toy GPT (XLA:CPU): a module's two parameters gathered
+    together made the step 10-20% slower over two devices (by the model: a loss) and no faster over eight (by the
+    model: a 19-26% saving), and the program took 0.1-0.2 s longer to compile; the 38 gradients of a step
+    reduce-scattered together (by the model: 50% over two devices, 74% over eight) made it ~10% faster."""
     steps = [p.steps[k] for p in plans]
     n, fixed = _group_and_latency(steps[0], plans[0])
     out_per_in = n if steps[0].kind == "all_gather" else 1 / n
     copied = sum(s.bytes for s in steps) * (1 + out_per_in)
-    return (len(steps) - 1) * fixed > model_in_force().local(copied, kernels=len(steps) + 1)
+    model = model_in_force()
+    alone = sum(model.collective(s.kind, s.axes, n, s.bytes) for s in steps)
+    saved = (len(steps) - 1) * fixed - model.local(copied, kernels=len(steps) + 1)
+    return saved > 0 and saved >= MIN_SAVING * alone
 
 
 def _shares(step: Step, plan: Plan) -> bool:

@@ -381,6 +381,12 @@ def test_integer_average_is_not_floored_part_by_part(src, dst):
     check_darray(x.redistribute(dst), value)
 
 
-def test_a_scalar_darray_converts_to_python_numbers():
+def test_a_scalar_darray_converts_to_python_numbers(monkeypatch):
     x = jshard.distribute(np.float32(2.5), make_mesh((2, 4)), [Partial("max"), R])
     assert float(x) == 2.5 and int(x) == 2
+    # a replicated one (a training step's loss) is read from one device, with no program to compile
+    monkeypatch.setattr(jshard.darray, "compile_plan", lambda *a, **k: pytest.fail("compiled a program"))
+    y = jshard.distribute(np.float32(-3.75), make_mesh((2, 4)), [R, R])
+    assert float(y) == -3.75 and int(y) == -3
+    with pytest.raises(pytest.fail.Exception):
+        float(x)  # a pending max does go through a program

@@ -160,8 +160,8 @@ class FullyShard(ParallelStyle):
     The module it is matched on is the unit gathered together while it runs: as a ``default=`` style, each
     module holding parameters; matched on a module above them (a transformer block, as torch's
     ``fully_shard(block)``), every parameter inside it that no nearer ``FullyShard`` takes, gathered in one
-    collective where they are small enough to share one and the latency saved pays for packing them (by the cost
-    model: a module's two small parameters over two devices are gathered one by one).
+    collective where they are small enough to share one and the latency saved clearly pays for packing them (by
+    the cost model; a module's two small parameters are gathered one by one, see ``jshard.lowering.MIN_SAVING``).
 
     >>> from flax import nnx
     >>> FullyShard("dp").param(nnx.Linear(8, 16, rngs=nnx.Rngs(0)), "kernel", (8, 16))
