@@ -23,7 +23,6 @@ import collections
 import math
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -136,7 +135,7 @@ class DArray:
     def __int__(self) -> int:
         return int(self._scalar("int"))
 
-    def _scalar(self, where: str) -> Any:
+    def _scalar(self, where: str) -> np.generic | jax.Array:
         """The value of a 0-d DArray, which is all ``float(jax_array)`` takes."""
         self._check_live(where)
         if self.ndim:

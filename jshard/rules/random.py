@@ -92,6 +92,10 @@ def linear_index(parts: list[tuple], block: tuple[int, ...]) -> tuple:
     return hi, lo
 
 
+# the rotation amounts of Threefry-2x32's rounds, the first four and the second four alternating
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
 def threefry2x32(k0, k1, x0, x1) -> tuple:
     """Threefry-2x32 with 20 rounds (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011) of
     the counters ``(x0, x1)`` under the key words ``(k0, k1)``, all uint32 (scalars broadcast), as elementwise ops.
@@ -119,8 +123,6 @@ def threefry2x32(k0, k1, x0, x1) -> tuple:
         x1 = lax.add(lax.add(x1, keys[(i + 2) % 3]), np.uint32(i + 1))
     return x0, x1
 
-
-_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 
 
 def _bits_local(prim, params, in_specs, out_specs):
