@@ -184,7 +184,9 @@ def distribute(x, mesh: Mesh, placements: Sequence[Placement]) -> DArray:
     Each device keeps its own shards. A ``Partial`` placement is exact: for ``sum`` the value sits on
     coordinate 0 and zeros elsewhere; ``avg``, ``max`` and ``min`` keep the value on every coordinate.
     A host value (numpy, scalars, lists) is cut on the host: each device receives only its own block, with no
-    collective. On multi-host meshes every process passes the same whole ``x`` and fills its own devices
+    collective. So is a ``jax.Array`` held elsewhere (on one device, as an eagerly built model's parameters), a
+    block at a time: never a copy on every device. A ``jax.Array`` already on the mesh's devices moves from its
+    own layout by collectives. On multi-host meshes every process passes the same whole ``x`` and fills its own devices
     (``from_process_local`` takes only a process's part).
 
     >>> import jax, numpy as np; from jshard import Shard, Partial
@@ -207,8 +209,18 @@ def distribute(x, mesh: Mesh, placements: Sequence[Placement]) -> DArray:
     spec = Spec.create(mesh, placements, x.shape, x.dtype, where="distribute")
     if isinstance(x, np.ndarray):
         return DArray(_host_blocks(spec, _reader(x)), spec)
-    # already on devices (PRNG keys included): the device-side plan from Replicate
     replicated = spec.with_placements((Replicate(),) * len(spec.placements))
+    keys = jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
+    if spec != replicated and not keys:
+        if (isinstance(x.sharding, NamedSharding) and same_devices(x.sharding.mesh, mesh)
+                and not any(p.is_partial for p in spec.placements)):
+            # on the devices, by collectives (a Partial made from shards would be split otherwise than promised)
+            return from_jax(x, mesh).redistribute(spec.placements)
+        if x.is_fully_addressable:
+            # elsewhere (one device: a model built eagerly): cut on the host, a block at a time, as a numpy
+            # value is; putting it on every device first would hold one copy per device
+            return DArray(_host_blocks(spec, _reader(_host_value(x))), spec)
+    # replicated, PRNG keys, or on other processes' devices: the device-side plan from Replicate
     plan = plan_redistribute(replicated, spec.placements)
     x = jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
     return DArray(compile_plan(plan, global_in=True)(x), spec)
@@ -458,6 +470,17 @@ def _reader(value: np.ndarray, start: Sequence[int] | None = None) -> Callable[[
     (default: the whole value)."""
     start = (0,) * value.ndim if start is None else tuple(start)
     return lambda idx: value[_host_index(idx, start)]
+
+
+def _host_value(x: jax.Array) -> np.ndarray:
+    """The value of a fully addressable ``x`` on the host, without keeping it on ``x`` (``np.asarray(x)`` would
+    cache the copy on the array for as long as it lives): on CPU, one device's buffer is read in place."""
+    if x.is_fully_replicated:
+        return np.asarray(x.addressable_data(0))
+    value = np.empty(x.shape, x.dtype)
+    for shard in x.addressable_shards:
+        value[shard.index] = np.asarray(shard.data)
+    return value
 
 
 def _host_index(idx: Sequence[np.ndarray], start: Sequence[int]):

@@ -194,8 +194,19 @@ def test_distribute_host_value_sends_no_replicated_copy(monkeypatch):
         assert all(s.data.shape == x.spec.local_block_shape for s in x.block.addressable_shards)
     jshard.distribute(np.float32(1.0), mesh, [Partial(), Replicate()])
     assert not replicated() and not plans
-    # the instrument sees the device path, which jax.Array inputs still take
-    jshard.distribute(jnp.ones((8, 8)), mesh, [Shard(0), Shard(1)])
+    # a jax.Array on one device (a model built eagerly, then parallelized) is cut on the host too
+    value = np.arange(64.0, dtype=np.float32).reshape(8, 8)
+    x = jshard.distribute(jnp.asarray(value), mesh, [Shard(0), Shard(1)])
+    assert not replicated() and not plans
+    np.testing.assert_array_equal(np.asarray(x.full()), value)
+    # one already on the mesh moves by the device-side plan, from its own placements
+    on_mesh = jax.device_put(value, NamedSharding(mesh, PartitionSpec("tp")))
+    shardings.clear(), plans.clear()
+    x = jshard.distribute(on_mesh, mesh, [Shard(0), Shard(1)])
+    assert not replicated() and [p.src.placements for p in plans] == [(Replicate(), Shard(0))]
+    np.testing.assert_array_equal(np.asarray(x.full()), value)
+    # the instrument sees the replicated device path, which PRNG keys (never on the host) still take
+    jshard.distribute(jax.random.split(jax.random.key(0), 8), mesh, [Shard(0), Replicate()])
     assert replicated() and plans
 
 
@@ -207,6 +218,22 @@ def test_distribute_host_value_is_copied():
     value[:] = -1
     np.testing.assert_array_equal(np.asarray(x.full()), np.arange(16.0).reshape(4, 4))
     np.testing.assert_array_equal(np.asarray(y.to_local()[3]), np.arange(16.0).reshape(4, 4))
+
+
+def test_distribute_jax_array_from_anywhere():
+    """A jax.Array on one device, on other devices, or on the mesh in another layout reaches every spec with its
+    value intact, and stays usable."""
+    mesh = make_mesh((2, 4))
+    value = value_of((12, 8))
+    sub = jax.make_mesh((4,), ("z",), devices=jax.devices()[4:8])
+    sources = [jax.device_put(value, jax.devices()[3]),
+               jax.device_put(value, NamedSharding(sub, PartitionSpec(None, "z"))),
+               jax.device_put(value, NamedSharding(mesh, PartitionSpec("tp", "dp")))]
+    for source in sources:
+        for placements in [(Shard(0), Shard(1)), (Shard(0), Shard(0)), (StridedShard(1, 2), Shard(1)),
+                           (Partial(), Shard(0)), (Shard(1), Partial("max"))]:
+            assert_same(jshard.distribute(source, mesh, placements), value, (2, 4), placements)
+        np.testing.assert_array_equal(np.asarray(source), value)
 
 
 def test_distribute_jax_array_unchanged():
