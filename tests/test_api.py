@@ -309,8 +309,8 @@ def test_a_transpose_reduces_its_input_where_its_consumers_would_reduce_its_outp
     # a weight gradient: a contraction over the data-parallel rows, then a transpose. Its sums are all-reduced
     # before the transpose (where the contraction made them, as GSPMD does; XLA then keeps the contraction in
     # its fast form), the same bytes as after it; so are they reduce-scattered where the contraction sums 1024
-    # rows a device or more (walk.SCATTER_FIRST_ROWS), small or large; with fewer rows the scatter stays with the pin
-    # (XLA's copy to scatter a non-leading dim would cost more than the faster dot saves)
+    # rows a device or more (CostModel.scatter_first_rows), small or large; with fewer rows the scatter stays with
+    # the pin (XLA's copy to scatter a non-leading dim would cost more than the faster dot saves)
     mesh = make_mesh((2, 4))
     rng = np.random.default_rng(9)
     X, Y = rng.normal(size=(rows, width)).astype(np.float32), rng.normal(size=(rows, width - 4)).astype(np.float32)
@@ -328,6 +328,9 @@ def test_a_transpose_reduces_its_input_where_its_consumers_would_reduce_its_outp
     out = jshard.jit(f, out_placements=(target, R))(*args)
     assert out.placements == (target, R)
     assert_close(out.full(), X.T @ Y, n=rows, terms=np.abs(X).T @ np.abs(Y))
+    if moved_at == "output pin" and width == 12:  # the threshold is the cost model's: from 8 rows, it scatters first
+        ex = jshard.explain(f, *args, out_placements=(target, R), cost_model=jshard.CostModel(scatter_first_rows=8))
+        assert [r["primitive"] for r in ex.rows if r["moves"]] == ["transpose"]
 
 
 def test_an_optimization_barrier_keeps_each_operand_as_it_is():

@@ -187,6 +187,11 @@ CASES = [
      r"^CostModel: kernel_us is what one more local kernel costs in µs besides its bytes, a number >= 0; got '4'"),
     ("cost-model-kernel-bool", lambda i: jshard.CostModel(kernel_us=True), ValueError,
      r"^CostModel: kernel_us is what one more local kernel costs in µs besides its bytes, a number >= 0; got True"),
+    ("cost-model-scatter-rows", lambda i: jshard.CostModel(scatter_first_rows=512.0), ValueError,
+     r"^CostModel: scatter_first_rows is a count of rows a contraction sums on a device, an int >= 0; got 512.0 "
+     r"\(the default is 1024\)"),
+    ("cost-model-scatter-rows-negative", lambda i: jshard.CostModel(scatter_first_rows=-1), ValueError,
+     r"^CostModel: scatter_first_rows is a count of rows .* got -1"),
     ("plan-src", lambda i: jshard.plan_redistribute(i.value, [R, R]), TypeError,
      r"^plan_redistribute: src must be a DArray or a Spec, got ndarray"),
     ("plan-target-none", lambda i: jshard.plan_redistribute(i.x, None), PlacementError,

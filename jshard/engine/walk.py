@@ -514,7 +514,7 @@ def _communicating(specs: list[Spec], targets) -> bool:
 def _reduces_first(eq: EquationPlan, specs: list[Spec], choice: Choice, made_by: dict) -> bool:
     """May ``eq`` run as ``choice`` although its inputs then take a collective: a transpose whose inputs are
     only all-reduced, or reduce-scattered where the contraction that made the sums is long enough
-    (``SCATTER_FIRST_ROWS``). ``_reseat`` checks that it costs no more than its consumers' moves (the same bytes).
+    (``CostModel.scatter_first_rows``). ``_reseat`` checks that it costs no more than its consumers' moves (the same bytes).
 
     A reduction of a transpose's input is one of its output, but where it sits matters to XLA: right after the
     contraction that made the pending sums (where GSPMD's partitioner puts it), XLA folds the transpose into the
@@ -530,15 +530,8 @@ def _reduces_first(eq: EquationPlan, specs: list[Spec], choice: Choice, made_by:
     if all(step.emitted == "all_reduce" for step in steps):
         return True
     return (all(step.emitted == "all_reduce" or step.kind == "reduce_scatter" for step in steps)
-            and all(_summed_rows(made_by.get(op.value)) >= SCATTER_FIRST_ROWS for op in eq.operands if not op.literal))
-
-
-# a reduce-scatter on a transposed gradient's non-leading dim makes XLA:CPU copy the gradient first (time in its
-# size), and saves the contraction's slow transposed-output form (time in its size times the rows it sums).
-# Measured on the GPT's FSDP steps, scatter first against at the pin: width 512, 256 rows a device +4% a step,
-# 1024 rows -4.5% (FSDP8) and -3%, then -5% more with its small gradients too (FSDP2 x TP4); width 1024, 512 rows
-# +6% (FSDP8), 2048 rows -5% (FSDP2 x TP4)
-SCATTER_FIRST_ROWS = 1024
+            and all(_summed_rows(made_by.get(op.value)) >= model_in_force().scatter_first_rows
+                    for op in eq.operands if not op.literal))
 
 
 def _summed_rows(eq: EquationPlan | None) -> int:
