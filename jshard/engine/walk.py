@@ -514,7 +514,8 @@ def _communicating(specs: list[Spec], targets) -> bool:
 def _reduces_first(eq: EquationPlan, specs: list[Spec], choice: Choice, made_by: dict) -> bool:
     """May ``eq`` run as ``choice`` although its inputs then take a collective: a transpose whose inputs are
     only all-reduced, or reduce-scattered where the contraction that made the sums is long enough
-    (``CostModel.scatter_first_rows``). ``_reseat`` checks that it costs no more than its consumers' moves (the same bytes).
+    (``CostModel.scatter_first_rows``). ``_reseat`` checks that it costs no more than its consumers' moves (the
+    same bytes).
 
     A reduction of a transpose's input is one of its output, but where it sits matters to XLA: right after the
     contraction that made the pending sums (where GSPMD's partitioner puts it), XLA folds the transpose into the
