@@ -185,9 +185,9 @@ def distribute(x, mesh: Mesh, placements: Sequence[Placement]) -> DArray:
     coordinate 0 and zeros elsewhere; ``avg``, ``max`` and ``min`` keep the value on every coordinate.
     A host value (numpy, scalars, lists) is cut on the host: each device receives only its own block, with no
     collective. So is a ``jax.Array`` held elsewhere (on one device, as an eagerly built model's parameters), a
-    block at a time: never a copy on every device. A ``jax.Array`` already on the mesh's devices moves from its
-    own layout by collectives. On multi-host meshes every process passes the same whole ``x`` and fills its own devices
-    (``from_process_local`` takes only a process's part).
+    block at a time from its shards: never whole on the host or on every device. A ``jax.Array`` already on the
+    mesh's devices moves from its own layout by collectives. On multi-host meshes every process passes the same
+    whole ``x`` and fills its own devices (``from_process_local`` takes only a process's part).
 
     >>> import jax, numpy as np; from jshard import Shard, Partial
     >>> x = distribute(np.arange(6.0), jax.make_mesh((2, 4), ("dp", "tp")), [Partial(), Shard(0)])
@@ -219,7 +219,7 @@ def distribute(x, mesh: Mesh, placements: Sequence[Placement]) -> DArray:
         if x.is_fully_addressable:
             # elsewhere (one device: a model built eagerly): cut on the host, a block at a time, as a numpy
             # value is; putting it on every device first would hold one copy per device
-            return DArray(_host_blocks(spec, _reader(_host_value(x))), spec)
+            return DArray(_host_blocks(spec, _shards_reader(x)), spec)
     # replicated, PRNG keys, or on other processes' devices: the device-side plan from Replicate
     plan = plan_redistribute(replicated, spec.placements)
     x = jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
@@ -472,15 +472,26 @@ def _reader(value: np.ndarray, start: Sequence[int] | None = None) -> Callable[[
     return lambda idx: value[_host_index(idx, start)]
 
 
-def _host_value(x: jax.Array) -> np.ndarray:
-    """The value of a fully addressable ``x`` on the host, without keeping it on ``x`` (``np.asarray(x)`` would
-    cache the copy on the array for as long as it lives): on CPU, one device's buffer is read in place."""
+def _shards_reader(x: jax.Array) -> Callable[[tuple[np.ndarray, ...]], np.ndarray]:
+    """``_host_blocks``' reader of a fully addressable ``x``, from its shards: each block is put together from
+    the parts of the shards it overlaps, so the host holds a block and a shard at a time, never a sharded ``x``
+    whole; and no copy stays cached on ``x`` (``np.asarray(x)`` keeps one for as long as it lives). On CPU a
+    shard is read in place."""
     if x.is_fully_replicated:
-        return np.asarray(x.addressable_data(0))
-    value = np.empty(x.shape, x.dtype)
-    for shard in x.addressable_shards:
-        value[shard.index] = np.asarray(shard.data)
-    return value
+        return _reader(np.asarray(x.addressable_data(0)))
+    spans = {tuple((sl.start or 0, n if sl.stop is None else sl.stop) for sl, n in zip(s.index, x.shape)): s
+             for s in x.addressable_shards}  # one replica of each part
+
+    def read(idx):
+        block = np.empty([len(i) for i in idx], x.dtype)
+        for span, shard in spans.items():
+            inside = [np.nonzero((i >= a) & (i < b))[0] for i, (a, b) in zip(idx, span)]
+            if all(len(p) for p in inside):
+                part = np.asarray(shard.data)[np.ix_(*[i[p] - a for i, p, (a, _) in zip(idx, inside, span)])]
+                block[np.ix_(*inside)] = part
+        return block
+
+    return read
 
 
 def _host_index(idx: Sequence[np.ndarray], start: Sequence[int]):
