@@ -211,7 +211,7 @@ def distribute(x, mesh: Mesh, placements: Sequence[Placement]) -> DArray:
         return DArray(_host_blocks(spec, _reader(x)), spec)
     replicated = spec.with_placements((Replicate(),) * len(spec.placements))
     keys = jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
-    if spec != replicated and not keys:
+    if spec != replicated and not keys and not isinstance(x, jax.core.Tracer):
         if (isinstance(x.sharding, NamedSharding) and same_devices(x.sharding.mesh, mesh)
                 and not any(p.is_partial for p in spec.placements)):
             # on the devices, by collectives (a Partial made from shards would be split otherwise than promised)
@@ -220,7 +220,7 @@ def distribute(x, mesh: Mesh, placements: Sequence[Placement]) -> DArray:
             # elsewhere (one device: a model built eagerly): cut on the host, a block at a time, as a numpy
             # value is; putting it on every device first would hold one copy per device
             return DArray(_host_blocks(spec, _shards_reader(x)), spec)
-    # replicated, PRNG keys, or on other processes' devices: the device-side plan from Replicate
+    # replicated, PRNG keys, traced, or on other processes' devices: the device-side plan from Replicate
     plan = plan_redistribute(replicated, spec.placements)
     x = jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
     return DArray(compile_plan(plan, global_in=True)(x), spec)

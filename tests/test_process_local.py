@@ -236,6 +236,14 @@ def test_distribute_jax_array_from_anywhere():
         np.testing.assert_array_equal(np.asarray(source), value)
 
 
+def test_distribute_traced_array_takes_the_device_path():
+    # inside jax.jit a jax.Array is a tracer, with no sharding or host value to cut: it moves on the devices
+    mesh = make_mesh((8,))
+    value = value_of((16,))
+    block = jax.jit(lambda a: jshard.distribute(a, mesh, [Shard(0)]).block)(jnp.asarray(value))
+    np.testing.assert_array_equal(np.asarray(block).reshape(-1), value)
+
+
 def test_distribute_jax_array_unchanged():
     mesh = make_mesh((2, 2, 2))
     value = value_of((9, 5))
