@@ -333,6 +333,37 @@ def test_a_transpose_reduces_its_input_where_its_consumers_would_reduce_its_outp
         assert [r["primitive"] for r in ex.rows if r["moves"]] == ["transpose"]
 
 
+@pytest.mark.parametrize("target", [R, Shard(0)])
+def test_a_bias_is_added_after_the_sum_it_would_be_masked_into(target):
+    # a row-parallel Linear: the contraction leaves sums pending over tp; adding the replicated bias to them would
+    # put the bias on one coordinate (a masked add over every device's whole block). The sums are completed
+    # first, with the same collective and bytes, so the add runs on the reduced block (a quarter after a
+    # reduce-scatter) and XLA fuses it with what follows. Two pending sums added together still reduce once
+    mesh = make_mesh((2, 4))
+    rng = np.random.default_rng(10)
+    X, W, V = (rng.normal(size=s).astype(np.float32) for s in [(16, 32), (32, 24), (32, 24)])
+    b = rng.normal(size=(24,)).astype(np.float32)
+    args = [jshard.distribute(X, mesh, (Shard(0), Shard(1))), jshard.distribute(W, mesh, (R, Shard(0))),
+            jshard.distribute(V, mesh, (R, Shard(0))), jshard.distribute(b, mesh, (R, R))]
+
+    def f(x, w, v, b):
+        y = jshard.constrain(x @ w + b, [Shard(0), target])
+        z = jshard.constrain(x @ w + x @ v, [Shard(0), target])
+        return y, z
+
+    ex = jshard.explain(f, *args)
+    adds = [r for r in ex.rows if r["primitive"] == "add"]
+    assert [[p.is_partial for s in r["ins"] for p in s.placements] for r in adds] == [[False] * 4, [False, True] * 2]
+    kind = "all_reduce" if target == R else "reduce_scatter"
+    assert [m[1] for r in adds for m in r["moves"]] == [kind]  # the bias's sum, completed at the add
+    assert ex.totals == {kind: (2, 2 * 8 * 24 * 4)}  # what a device receives, the same as reducing after the add
+    y, z = jshard.jit(f)(*args)
+    assert y.placements == z.placements == (Shard(0), target)
+    A = np.abs(X)
+    assert_close(y.full(), X @ W + b, n=32, terms=A @ np.abs(W) + np.abs(b))
+    assert_close(z.full(), X @ W + X @ V, n=64, terms=A @ np.abs(W) + A @ np.abs(V))
+
+
 def test_an_optimization_barrier_keeps_each_operand_as_it_is():
     # remat and erf's derivative put barriers between values of any placement: a Partial passes unreduced
     mesh = make_mesh((2, 4))

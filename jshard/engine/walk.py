@@ -4,7 +4,8 @@
 cheapest correct strategy (``jshard.propagate.select``). Calls (``jit``, ``custom_jvp_call``, ``remat``, ...)
 are followed inline; control flow (registered with ``@control(name)``, see ``jshard.engine.control``) walks its
 bodies as plans of their own. A second pass looks back from the consumers: where every consumer of a value
-moves it to one spec, its producer is asked to produce that spec directly when that costs no collective. A third
+moves it to one spec, its producer is asked to produce that spec directly when that costs no collective (or only
+the reduction its consumers would make: a transpose, an add that would mask a bias into pending sums). A third
 looks past one equation: where an equation moves an input with a collective, its next strategies are tried with
 the change rippled through its consumers, and one is kept where the program's moves cost less and send no more
 bytes. A fourth makes a value that a consumer slices sliced from the start, where the moves that adds cost less
@@ -266,7 +267,8 @@ def _reseat(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh, pi
     and does so when that needs no collective of its own (its inputs only slice): a dropout mask drawn
     only where the activations are, not drawn whole and sliced. Producers are visited last-first, so a
     re-seated equation's own input slices become demands on the equations before it. A transpose also takes
-    over its consumers' all-reduces, and their reduce-scatters where its contraction is long (``_reduces_first``)."""
+    over its consumers' all-reduces, and their reduce-scatters where its contraction is long; an elementwise
+    equation that would mask a Replicate operand into pending sums takes over both (``_reduces_first``)."""
     uses: dict = {}
     made_by: dict = {}
     for eq in equations:
@@ -523,16 +525,30 @@ def _reduces_first(eq: EquationPlan, specs: list[Spec], choice: Choice, made_by:
     its fast matmul kernels (13 of the 51 dots of the GPT's DP2 x TP4 training step, its weight gradients). A
     gradient scattered so no longer shares the collective of the gradients scattered at their pins: measured on
     the GPT's FSDP2 x TP4 step at width 512 and 1024 rows a device, the faster dots gain more than the shared
-    rendezvous saved (1585 against 1668 ms a step)."""
-    if eq.eqn.primitive.name != "transpose":
+    rendezvous saved (1585 against 1668 ms a step).
+
+    An elementwise equation that keeps a sum pending only by making a Replicate operand Partial (the bias of a
+    row-parallel Linear, on one coordinate) also completes the sum first: the pending way runs the equation on
+    every device's whole block before the reduction, where completing first runs it on the reduced block (a
+    quarter of it after a reduce-scatter over 4) and lets XLA fuse it with the consumers that follow (the
+    residual add), as GSPMD's program does."""
+    transpose = eq.eqn.primitive.name == "transpose"
+    if not transpose and not (_masks_a_replicate(specs, eq.choice.ins) and not _masks_a_replicate(specs, choice.ins)):
         return False
     moves = [plan_redistribute(s, t.placements) for s, t in zip(specs, choice.ins) if s != t]
     steps = [step for m in moves for step in m.steps if step.is_collective]
+    if not transpose:
+        return all(step.emitted == "all_reduce" or step.kind == "reduce_scatter" for step in steps)
     if all(step.emitted == "all_reduce" for step in steps):
         return True
     return (all(step.emitted == "all_reduce" or step.kind == "reduce_scatter" for step in steps)
             and all(_summed_rows(made_by.get(op.value)) >= model_in_force().scatter_first_rows
                     for op in eq.operands if not op.literal))
+
+
+def _masks_a_replicate(specs: list[Spec], ins: tuple) -> bool:
+    """Does running with ``ins`` turn an operand that is Replicate on a mesh axis into a Partial there?"""
+    return any(p.is_replicate and q.is_partial for s, t in zip(specs, ins) for p, q in zip(s.placements, t.placements))
 
 
 def _summed_rows(eq: EquationPlan | None) -> int:
