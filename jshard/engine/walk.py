@@ -536,19 +536,19 @@ def _reduces_first(eq: EquationPlan, specs: list[Spec], choice: Choice, made_by:
     if not transpose and not (_masks_a_replicate(specs, eq.choice.ins) and not _masks_a_replicate(specs, choice.ins)):
         return False
     moves = [plan_redistribute(s, t.placements) for s, t in zip(specs, choice.ins) if s != t]
-    steps = [step for m in moves for step in m.steps if step.is_collective]
-    if not transpose:
-        return all(step.emitted == "all_reduce" or step.kind == "reduce_scatter" for step in steps)
-    if all(step.emitted == "all_reduce" for step in steps):
-        return True
-    return (all(step.emitted == "all_reduce" or step.kind == "reduce_scatter" for step in steps)
-            and all(_summed_rows(made_by.get(op.value)) >= model_in_force().scatter_first_rows
-                    for op in eq.operands if not op.literal))
+    scatters = [step for m in moves for step in m.steps if step.is_collective and step.emitted != "all_reduce"]
+    if any(step.kind != "reduce_scatter" for step in scatters):
+        return False
+    return (not transpose or not scatters
+            or all(_summed_rows(made_by.get(op.value)) >= model_in_force().scatter_first_rows
+                   for op in eq.operands if not op.literal))
 
 
 def _masks_a_replicate(specs: list[Spec], ins: tuple) -> bool:
-    """Does running with ``ins`` turn an operand that is Replicate on a mesh axis into a Partial there?"""
-    return any(p.is_replicate and q.is_partial for s, t in zip(specs, ins) for p, q in zip(s.placements, t.placements))
+    """Does running with ``ins`` put an operand that is Replicate on a mesh axis on one coordinate there (as a
+    ``P(sum)``)? A Replicate block already is a ``P(avg|max|min)`` one, with nothing masked."""
+    return any(p.is_replicate and q.is_partial and q.op == "sum"
+               for s, t in zip(specs, ins) for p, q in zip(s.placements, t.placements))
 
 
 def _summed_rows(eq: EquationPlan | None) -> int:
