@@ -540,24 +540,31 @@ def _plan(spec: Spec, dst: tuple[Placement, ...], model: CostModel) -> Plan:
         # no elements: a collective would move nothing (and XLA rejects 0-size collective dims)
         steps = () if dst == spec.placements else (Step("empty", (), spec.placements, dst),)
         return Plan(spec, spec.with_placements(dst), steps)
-    # a size-1 axis holds the whole value whatever its placement: relabel it for free
-    start = tuple(q if n == 1 else p for p, q, n in zip(spec.placements, dst, spec.mesh_shape))
-    search = _Search(spec, start, dst, model)
+    # a size-1 axis holds the whole value whatever its placement (one chunk, one part): the search sees it
+    # Replicate at both ends, so it costs nothing and never constrains the other axes (an outer shard gathered
+    # while a size-1 axis shards the same dim inside it)
+    target = _size_one_replicated(dst, spec.mesh_shape)
+    start = spec.with_placements(_size_one_replicated(spec.placements, spec.mesh_shape))
+    search = _Search(start, start.placements, target, model)
     steps = _merge(search, search.run())
     # an exchange can only beat paths that move shards (gathers, all_to_alls); try it straight to the
     # target, and to the target with the source's shards kept where the target replicates (then gather)
-    if any(s.kind in ("all_gather", "all_to_all") for s in steps) and exchange.eligible(spec, dst):
-        middle = tuple(q if not q.is_replicate or not p.is_shard else p for p, q in zip(start, dst))
-        for via in dict.fromkeys((dst, middle)):  # middle keeps dst's Partial axes, so it is valid
-            if via == start:
+    if any(s.kind in ("all_gather", "all_to_all") for s in steps) and exchange.eligible(start, target):
+        middle = tuple(q if not q.is_replicate or not p.is_shard else p for p, q in zip(start.placements, target))
+        for via in dict.fromkeys((target, middle)):  # middle keeps dst's Partial axes, so it is valid
+            if via == start.placements:
                 continue
-            candidate = _exchange_step(spec, via, model, search.names)
-            if via != dst:
-                rest = _Search(spec, via, dst, model)
+            candidate = _exchange_step(start, via, model, search.names)
+            if via != target:
+                rest = _Search(start, via, target, model)
                 candidate += _merge(rest, rest.run())
             if sum(s.cost for s in candidate) < sum(s.cost for s in steps) - 1e-9:
                 steps = candidate
     return Plan(spec, spec.with_placements(dst), tuple(steps))
+
+
+def _size_one_replicated(placements: tuple[Placement, ...], mesh_shape) -> tuple[Placement, ...]:
+    return tuple(_R if n == 1 else p for p, n in zip(placements, mesh_shape))
 
 
 def _exchange_step(spec: Spec, via, model: CostModel, names) -> list[Step]:

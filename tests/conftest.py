@@ -1,5 +1,6 @@
 """Tests run on 8 devices: 8 or more real accelerators when present, else 8 emulated CPU devices."""
 
+import math
 import os
 
 # must happen before JAX is imported anywhere; real GPUs/TPUs are left alone (the flag only affects
@@ -25,16 +26,30 @@ def pytest_report_header(config):
     return f"jshard on Python {sys.version.split()[0]}: {versions}; devices: {jax.devices()[0].platform} x8"
 
 
-MESH_SHAPES = {(8,): ("x",), (2, 4): ("dp", "tp"), (4, 2): ("a", "b"), (2, 2, 2): ("x", "y", "z")}
+# The suite's mesh matrix: every shape a test may name, with its axis names. Size-1 axes and one device are what
+# users have (one GPU, a dp x tp configuration scaled down to one host), so they are in the matrix beside the
+# 8-device meshes; ``MESH_SHAPES`` is what every property test draws from.
+MESH_SHAPES = {(8,): ("x",), (2, 4): ("dp", "tp"), (4, 2): ("a", "b"), (2, 2, 2): ("x", "y", "z"),
+               (1, 8): ("dp", "tp"), (8, 1): ("dp", "tp"), (2, 1, 4): ("dp", "sp", "tp"), (1,): ("x",),
+               (1, 1): ("dp", "tp")}
+# the meshes a parametrized sweep runs by default: one of each kind (a 1-D, a 2-D, a 3-D mesh, a size-1 axis on
+# each side, one device); ``mesh_params`` marks the others slow
+DEFAULT_MESH_SHAPES = ((8,), (2, 4), (2, 2, 2), (1, 8), (8, 1), (1,))
 
 
 @pytest.fixture(scope="session", params=list(MESH_SHAPES), ids=lambda s: "x".join(map(str, s)))
 def mesh(request):
-    shape = request.param
-    if len(jax.devices()) < 8:
-        pytest.fail(f"the tests need 8 devices, found {jax.devices()}")
-    return jax.make_mesh(shape, MESH_SHAPES[shape], devices=jax.devices()[:8])
+    return make_mesh(request.param)
 
 
 def make_mesh(shape):
-    return jax.make_mesh(shape, MESH_SHAPES[shape], devices=jax.devices()[:8])
+    """The matrix's mesh of ``shape`` on the first ``prod(shape)`` devices."""
+    n = math.prod(shape)
+    if len(jax.devices()) < n:
+        pytest.fail(f"the tests need {n} devices, found {jax.devices()}")
+    return jax.make_mesh(shape, MESH_SHAPES[shape], devices=jax.devices()[:n])
+
+
+def mesh_params(shapes=tuple(MESH_SHAPES), default=DEFAULT_MESH_SHAPES) -> list:
+    """``shapes`` as pytest params with readable ids (``2x4``), those outside ``default`` marked slow."""
+    return [pytest.param(s, id="x".join(map(str, s)), marks=() if s in default else pytest.mark.slow) for s in shapes]

@@ -30,6 +30,11 @@ def attention(q, k):
     ((2, 4), (Shard(0), R), (R, Shard(1)), (R, Shard(0))),  # data x tensor parallel
     ((8,), (Shard(0),), (R,), (R,)),  # data parallel
     ((2, 2, 2), (Shard(0), Shard(1), R), (Shard(0), R, Shard(1)), (R, R, Shard(0))),  # uneven-ish mixes
+    # size-1 axes: data parallel over one device next to tensor parallel, and the reverse; one device
+    ((1, 8), (Shard(0), R), (R, Shard(1)), (R, Shard(0))),
+    ((8, 1), (Shard(0), Shard(1)), (R, Shard(1)), (Partial(), Shard(0))),
+    ((2, 1, 4), (Shard(0), Shard(0), R), (R, Shard(1), Shard(1)), (R, R, Shard(0))),
+    ((1,), (Shard(0),), (Shard(1),), (Partial("max"),)),
 ])
 def test_mlp_forward_and_gradients_match_single_device(mesh_shape, px, pw1, pw2):
     mesh = make_mesh(mesh_shape)

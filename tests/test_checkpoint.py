@@ -44,14 +44,15 @@ TARGETS = [
     ("partial", (2, 4), [Partial("sum"), Shard(0)]),
     ("4-devices", (4,), [Shard(1)]),
     ("1-device", (1,), [R]),
+    ("1-device-shard", (1,), [Shard(1)]),
+    ("1x8", (1, 8), [Shard(0), Shard(1)]),
+    ("8x1-partial", (8, 1), [Shard(1), Partial("sum")]),
 ]
 
 
 def mesh_of(shape):
     if shape == (4,):
         return jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
-    if shape == (1,):
-        return jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
     return make_mesh(shape)
 
 

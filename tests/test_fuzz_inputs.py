@@ -1,6 +1,7 @@
 """Fuzzing the array entry points: every input gives the right value or a clear error, never a crash.
 
-Two properties, checked with hypothesis over the test meshes (8, 2x4, 4x2, 2x2x2):
+Two properties, checked with hypothesis over the suite's meshes (``conftest.MESH_SHAPES``, size-1 axes and one
+device included):
 
 - **round trip**: a random array (0-size dims included; float32, int32, bool, bfloat16) built with random
   placements (``distribute``, or ``from_local`` from unequal Partial parts) and redistributed to random
@@ -20,11 +21,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jshard
-from conftest import make_mesh
+from conftest import MESH_SHAPES, make_mesh
 from jshard import Partial, Replicate, Shard, Spec, StridedShard
 from oracle import check_darray, local_blocks, placement_st, valid
 
-MESH_SHAPES = [(8,), (2, 4), (4, 2), (2, 2, 2)]
 DTYPES = [np.float32, np.int32, np.bool_, jnp.bfloat16]
 SIZES = [0, 1, 2, 3, 5, 8, 9]  # 0-size dims, uneven and even splits
 FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -47,7 +47,7 @@ def draw_placements(data, mesh_shape, rank):
 
 
 @FUZZ
-@given(st.sampled_from(MESH_SHAPES), st.lists(st.sampled_from(SIZES), max_size=3), st.sampled_from(DTYPES),
+@given(st.sampled_from(list(MESH_SHAPES)), st.lists(st.sampled_from(SIZES), max_size=3), st.sampled_from(DTYPES),
        st.data())
 def test_round_trip_or_clear_error(mesh_shape, shape, dtype, data):
     rank, shape = len(shape), tuple(shape)

@@ -174,7 +174,10 @@ def test_flax_sharding_annotations_become_placements():
 
 
 @pytest.mark.parametrize("mesh_shape,style", [((2, 4), "tp"), ((2, 4), "sp"), ((2, 4), "fsdp"), ((2, 4), "dp"),
-                                              ((8,), "tp"), ((2, 2, 2), "sp")])
+                                              ((8,), "tp"), ((2, 2, 2), "sp"), ((1, 8), "tp"), ((8, 1), "sp"),
+                                              ((1,), "fsdp"),
+                                              pytest.param((1, 1), "tp", marks=pytest.mark.slow),
+                                              pytest.param((2, 1, 4), "sp", marks=pytest.mark.slow)])
 def test_loss_and_gradients_match_one_device(mesh_shape, style):
     mesh = make_mesh(mesh_shape)
     dp, tp = mesh.axis_names[0], mesh.axis_names[-1]

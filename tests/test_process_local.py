@@ -50,6 +50,15 @@ CASES = [  # mesh shape, placements, global shape
     ((2, 2, 2), (Partial(), Shard(1), Partial()), (3, 4)),
     ((2, 2, 2), (StridedShard(0, 2), Replicate(), Shard(0)), (8, 3)),
     ((2, 2, 2), (Shard(2), Partial("max"), Shard(0)), (3, 1, 5)),
+    # size-1 axes (a dp x tp configuration on fewer devices) and one device (one GPU)
+    ((1,), (Shard(0),), (5, 2)),
+    ((1,), (Partial(),), (3,)),
+    ((1, 8), (Shard(0), Shard(0)), (10, 3)),
+    ((1, 8), (Partial("max"), Shard(1)), (2, 9)),
+    ((8, 1), (StridedShard(0, 3), Shard(0)), (13, 2)),
+    ((8, 1), (Shard(1), Partial("avg")), (3, 4)),
+    ((2, 1, 4), (Shard(0), StridedShard(0, 2), Shard(1)), (9, 5)),
+    ((2, 1, 4), (Partial(), Partial(), Shard(0)), (6,)),
 ]
 NON_PARTIAL = [c for c in CASES if not any(p.is_partial for p in c[1])]
 

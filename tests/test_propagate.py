@@ -123,7 +123,8 @@ def brute_force(prim, in_specs, out_avals):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.sampled_from([(2, 4), (2, 2, 2)]), st.sampled_from([lax.add_p, lax.mul_p, lax.max_p, lax.sub_p]),
+@given(st.sampled_from([(2, 4), (2, 2, 2), (1, 8), (2, 1, 4)]),
+       st.sampled_from([lax.add_p, lax.mul_p, lax.max_p, lax.sub_p]),
        st.lists(st.integers(1, 9), min_size=1, max_size=2), st.data())
 def test_search_is_optimal_and_correct(mesh_shape, prim, shape, data):
     rank, shape = len(shape), tuple(shape)

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import jshard
-from conftest import make_mesh
+from conftest import MESH_SHAPES, make_mesh
 from jshard import Partial, Replicate, Shard, StridedShard, lowering
 from jshard.darray import DArray
 from jshard.lowering import compile_plan, local_programs
@@ -36,7 +36,7 @@ def run_pair(mesh_shape, shape, src, dst, rng, *, dtype=np.float32, check_hlo=Fa
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.sampled_from([(8,), (2, 4), (4, 2), (2, 2, 2)]),
+@given(st.sampled_from(list(MESH_SHAPES)),
        st.lists(st.integers(1, 13), min_size=1, max_size=3), st.data())
 def test_random_pairs_match_single_device(mesh_shape, shape, data):
     rank = len(shape)

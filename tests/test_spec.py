@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from conftest import make_mesh
+from conftest import MESH_SHAPES, make_mesh
 from jshard import LayoutError, Partial, PlacementError, Replicate, Shard, Spec, StridedShard
 from jshard.spec import chunk_sizes
 from oracle import reference_indices
@@ -60,7 +60,7 @@ placement_st = lambda rank: st.one_of(
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.sampled_from([(8,), (2, 4), (4, 2), (2, 2, 2)]), st.lists(st.integers(0, 13), min_size=1, max_size=3),
+@given(st.sampled_from(list(MESH_SHAPES)), st.lists(st.integers(0, 13), min_size=1, max_size=3),
        st.data())
 def test_layout_matches_independent_reference(mesh_shape, shape, data):
     mesh = make_mesh(mesh_shape)

@@ -164,10 +164,11 @@ def plan_jaxpr(closed: jc.ClosedJaxpr, specs: list[Spec], mesh: Mesh, pinned: li
             kept.append(eq)
             live.update(op.value for op in eq.operands if not op.literal)
     equations = kept[::-1]
-    seen = set()  # a value moved to the same spec for several consumers moves once
+    seen = set()  # a value moved to the same spec for several consumers moves once; a move with no steps (a
+    # size-1 mesh axis: S(0) -> R there leaves the block as it is) runs nothing, so there is nothing to reuse
     for eq in equations:
         for i, (op, target) in enumerate(zip(eq.operands, eq.choice.ins)):
-            if isinstance(op.move, Plan) and not op.literal:
+            if isinstance(op.move, Plan) and op.move.steps and not op.literal:
                 if (op.value, target) in seen:
                     eq.operands[i] = op._replace(move=REUSED)
                 seen.add((op.value, target))
