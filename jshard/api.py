@@ -50,6 +50,7 @@ from .caches import Cache
 from .cost import CostModel
 from .darray import DArray, distribute
 from .engine import Program, compile_program, constrain_p, constrain_target, replicated, trace
+from .engine.constrain import check_placements
 from .explanation import Explanation, explanation
 from .jaxcompat import source_info_util
 from .placements import Placement, Replicate
@@ -84,14 +85,19 @@ def jit(fn: Callable, *, out_placements: Any = None, static_argnums: int | Seque
     donated DArrays are deleted; using one again raises ``DeletedArrayError`` naming the call it went to).
     Negative argnums count from the end, as in ``jax.jit``. Typed PRNG key arrays (``jax.random.key``) are
     arguments like any other. A ``jax.Array`` laid out on the mesh (a ``NamedSharding``, as a JAX program makes
-    them) is taken as it is (``jshard.from_jax``), whether passed or closed over: no host transfer, no
-    collective (a closed-over one on Explicit mesh axes is refused: pass it). ``mesh`` names the mesh for a
+    them) is taken as it is (``jshard.from_jax``), whether passed or closed over (on Auto or Explicit mesh
+    axes): no host transfer, no collective. ``mesh`` names the mesh for a
     function that has no DArray argument (an initialiser: with ``out_placements``, each device computes only
     its own blocks). ``cost_model`` prices every choice of the plan (a ``jshard.CostModel``: the mesh axes' own
     latency and bandwidth, a fast tp axis inside a host next to a slow dp axis across hosts; None: the default).
     Compiled programs are cached by the arguments' specs, tree structure and static values: a repeated call does
     no tracing. ``.lower(*args)`` gives the lowered program (for its HLO),
     ``.explain(*args)`` the plan.
+
+    Called inside another trace (its arguments JAX tracers: from an enclosing ``jshard.jit``, ``jax.jit`` or
+    ``jax.grad``), the function runs inline, as a nested ``jax.jit`` does: the enclosing call plans it whole,
+    and ``out_placements`` pin its outputs as ``jshard.constrain`` does (``same_as`` leaves them free there;
+    under plain ``jax.jit`` the pins are the identity); ``donate_argnums`` does nothing there.
 
     >>> import jax, jax.numpy as jnp, numpy as np, jshard
     >>> from jshard import Shard
@@ -142,12 +148,29 @@ class Jitted:
             program = self._by_tree.get(tree)
             if program is not None:
                 return _outputs(program, program.run(blocks))
+        leaves = jax.tree.leaves((args, kwargs), is_leaf=is_darray)
+        # inside another trace; with a DArray beside the tracers (one the enclosing function closed over) the call
+        # is refused below instead, naming the traced argument
+        if any(isinstance(a, jax.core.Tracer) for a in leaves) and not any(isinstance(a, DArray) for a in leaves):
+            return self._inline(args, kwargs)
         program, darrays = self._prepare(args, kwargs)
-        if not self.static and all(isinstance(a, DArray) for a in jax.tree.leaves((args, kwargs), is_leaf=is_darray)):
+        if not self.static and all(isinstance(a, DArray) for a in leaves):
             self._by_tree.put(jax.tree.structure((args, kwargs)), program)
             if not kwargs and all(type(a) is DArray for a in args):
                 self._by_specs.put(tuple(a.spec for a in args), program)
         return _outputs(program, program.run([d.block for d in darrays]))
+
+    def _inline(self, args: tuple, kwargs: dict) -> Any:
+        """A call inside another trace (an enclosing ``jshard.jit``, ``jax.jit``, ``jax.grad``): the function runs
+        inline, as a nested ``jax.jit`` does, for the enclosing trace to plan (or compile) whole; its
+        ``out_placements`` pin its outputs through ``jshard.constrain``."""
+        self._split(args, kwargs)  # static arguments passed by keyword are refused here too
+        out = self.fn(*args, **kwargs)
+        if self.out_placements is None:
+            return out
+        outs, tree = jax.tree.flatten(out)
+        pins = _pins(self.out_placements, tree, len(outs), args=None)
+        return jax.tree.unflatten(tree, [o if p is None else constrain(o, p) for o, p in zip(outs, pins)])
 
     def lower(self, *args, **kwargs) -> Any:
         """The lowered ``jax.jit`` program for these arguments (``.as_text()``, ``.compile()``)."""
@@ -311,7 +334,9 @@ def constrain(x, placements, *, pin_gradient: bool = True) -> Any:
 
     ``placements`` is one entry per mesh axis, or a dict ``{axis name: placement}``; a None entry (or an axis
     the dict leaves out) keeps that axis as the engine has it. ``Shard(-1)`` counts from the last dim. Outside
-    ``jshard.jit`` a DArray is redistributed there, as ``jax.lax.with_sharding_constraint`` does eagerly.
+    ``jshard.jit`` a DArray is redistributed there, as ``jax.lax.with_sharding_constraint`` does eagerly; any
+    other value (a plain array, a tracer of ``jax.jit``) is returned as it is, once its placements are checked
+    against its rank as ``jshard.jit`` would check them: a ``Shard(9)`` on a matrix fails wherever it runs.
 
     >>> import jax, numpy as np, jshard
     >>> from jshard import Shard, Replicate
@@ -340,6 +365,7 @@ def constrain(x, placements, *, pin_gradient: bool = True) -> Any:
         raise TypeError(f"jshard.constrain: pin_gradient must be True or False, got {pin_gradient!r}")
     if isinstance(x, DArray):
         return x.redistribute(constrain_target(x.spec, entries).placements)
+    check_placements(entries, np.ndim(x))
     return constrain_p.bind(x, placements=entries, pin_gradient=pin_gradient)
 
 
@@ -349,7 +375,9 @@ def _is_pin(p) -> bool:
 
 
 def _pins(out_placements, out_tree, n_out: int, *, args) -> list:
-    """Per output leaf: the placements it is pinned to, or None."""
+    """Per output leaf: the placements it is pinned to, or None. ``args=None`` (a call inlined in another
+    trace, whose arguments are tracers): ``same_as`` leaves its outputs free, the arguments' placements being
+    the enclosing plan's to choose."""
     pins: list = [None] * n_out
     if out_placements is None:
         return pins
@@ -361,6 +389,8 @@ def _pins(out_placements, out_tree, n_out: int, *, args) -> list:
             raise TypeError(f"jshard.jit: out_placements has {pin!r} where a placement tuple (one per mesh axis), "
                             "same_as(argnum) or None belongs")
         if isinstance(pin, same_as):
+            if args is None:
+                return
             if not -len(args) <= pin.argnum < len(args):
                 raise ValueError(f"jshard.jit: out_placements names same_as({pin.argnum}), but the function was "
                                  f"called with {len(args)} positional argument(s)")

@@ -129,21 +129,47 @@ class DArray:
         plan = plan_redistribute(self.spec, (Replicate(),) * len(self.placements))
         return compile_plan(plan, global_out=True)(self.block)
 
+    # -- host conversions, as a jax.Array's ----------------------------------------------------------
     def __float__(self) -> float:
         return float(self._scalar("float"))
 
     def __int__(self) -> int:
         return int(self._scalar("int"))
 
-    def _scalar(self, where: str) -> np.generic | jax.Array:
+    def __bool__(self) -> bool:
+        size = math.prod(self.shape)
+        # jax.Array's own errors, raised before anything is read
+        if size == 0:
+            raise ValueError("The truth value of an empty array is ambiguous. Use `array.size > 0` to check that an "
+                             "array is not empty.")
+        if size > 1:
+            raise ValueError("The truth value of an array with more than one element is ambiguous. Use a.any() or "
+                             "a.all()")
+        return bool(self._value("bool"))
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of unsized object")  # jax.Array's (and numpy's) error
+        return self.shape[0]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        """``np.asarray(x)``: the global value on the host."""
+        return np.asarray(self._value("np.asarray"), dtype=dtype, copy=copy)
+
+    def _scalar(self, where: str) -> np.ndarray | jax.Array:
         """The value of a 0-d DArray, which is all ``float(jax_array)`` takes."""
-        self._check_live(where)
         if self.ndim:
             raise TypeError(f"{where}: {self!r} is not a scalar; only a 0-d DArray converts to a Python number "
                             "(x.full() gives the whole value)")
-        if all(isinstance(p, Replicate) for p in self.placements):
-            # every device holds the value (a training step's loss): read one, compiling nothing
-            return np.asarray(self.block.addressable_shards[0].data)[0]
+        return self._value(where)
+
+    def _value(self, where: str) -> np.ndarray | jax.Array:
+        """The global value for a host conversion named ``where``: one device's block where every device holds
+        the value (a training step's loss), compiling nothing; else ``full()`` (traced inside ``jax.jit``, where
+        JAX's own conversion error follows)."""
+        self._check_live(where)
+        if all(isinstance(p, Replicate) for p in self.placements) and not isinstance(self.block, jax.core.Tracer):
+            return np.asarray(self.block.addressable_shards[0].data).reshape(self.shape)
         return self.full()
 
     def to_jax(self) -> jax.Array:

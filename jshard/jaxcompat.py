@@ -17,6 +17,9 @@ name here (from)           why                                                  
 ``ad``, ``batching``,      the ``jshard_constrain`` primitive's transpose,      none: a marked identity that
 ``mlir``                   vmap and lowering                                    survives ``make_jaxpr`` needs a
 (``jax.interpreters``)                                                          primitive
+``ShardingTypeError``      tell JAX's sharding-in-types errors (Explicit mesh   none: JAX exports it nowhere, so
+(``jax._src.core``)        axes) from the others: a trace is retried under      ``is_sharding_type_error`` knows
+                           the call's mesh for them only                        it by class name
 =========================  ===================================================  ==================================
 
 ``jax.core.Tracer`` and ``jax.core.ShapedArray`` are public (``jax.core`` keeps them) and are used as they are.
@@ -42,8 +45,8 @@ from jax.extend import core as jc
 from jax.extend import source_info_util
 from jax.interpreters import ad, batching, mlir
 
-__all__ = ["Scan", "While", "ad", "batching", "cond_branches", "inlined_call", "jc", "mlir", "open_jaxpr",
-           "scan_params", "source_info_util", "while_params"]
+__all__ = ["Scan", "While", "ad", "batching", "cond_branches", "inlined_call", "is_sharding_type_error", "jc", "mlir",
+           "open_jaxpr", "scan_params", "source_info_util", "while_params"]
 
 # calls whose body runs as it is, by the param holding the body: the engine follows them inline (autodiff
 # already happened when the jaxpr was traced); ``remat2`` is ``jax.checkpoint``, named ``checkpoint`` in the
@@ -78,6 +81,13 @@ def open_jaxpr(jaxpr: Any) -> tuple[jc.Jaxpr, list]:
     if isinstance(jaxpr, jc.ClosedJaxpr):
         return jaxpr.jaxpr, list(jaxpr.consts)
     return jaxpr, list(getattr(jaxpr, "consts", None) or [])
+
+
+def is_sharding_type_error(e: BaseException) -> bool:
+    """Whether ``e`` is JAX's ``ShardingTypeError``: an equation whose operands' sharding types (Explicit mesh
+    axes) leave its result's ambiguous. JAX raises it from ``jax._src.core`` and exports it nowhere, so it is
+    known by its class name."""
+    return any(c.__name__ == "ShardingTypeError" for c in type(e).__mro__)
 
 
 def inlined_call(eqn: jc.JaxprEqn) -> Any | None:

@@ -3,18 +3,23 @@
 In a notebook, ``x + y``, ``x @ w``, ``x[1:4]``, ``x.T``, ``x.sum(0)`` or ``x.astype(jnp.int32)`` on DArrays run
 right away and return DArrays laid out as the engine chose. The operators are attached to ``DArray`` here,
 above the engine (as JAX attaches array methods from its numpy layer), so ``jshard.darray`` depends on nothing
-above it.
+above it. They take, compute and refuse what ``jax.Array``'s do: ``x == 3`` is elementwise (so a DArray is
+unhashable), a numpy array on the left gives a DArray, ``x ** 3`` is JAX's exact ``lax.integer_pow``, and
+iteration goes over dim 0.
 
 >>> import jax, numpy as np, jshard
 >>> from jshard import Shard
 >>> x = jshard.distribute(np.arange(8.0), jax.make_mesh((8,), ("x",)), [Shard(0)])
 >>> (x * 2 + 1).full().tolist()[:3], x[2:5].full().tolist()
 ([1.0, 3.0, 5.0], [2.0, 3.0, 4.0])
+>>> bool(x[7] == 7), [float(r) for r in x[:3]], np.ones(8) - x
+(True, [0.0, 1.0, 2.0], DArray(f32[8] (S(0)) on mesh(x=8)))
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 import os
 from collections.abc import Callable
 from typing import Any
@@ -82,19 +87,93 @@ def _reshape_args(shape) -> tuple:
     return tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
 
 
-def _binary(f: Callable, reflected: bool = False) -> Callable:
-    return (lambda self, o: apply(f, o, self)) if reflected else (lambda self, o: apply(f, self, o))
+# What jax.Array's operators take. Anything else gives Python's NotImplemented, so that ``x == None`` is False and
+# an object that knows DArrays gets its turn; containers are refused (``x == [1, 2]`` would be a silent False).
+_OPERANDS = (DArray, jax.Array, np.ndarray, np.generic, int, float, complex)
+_CONTAINERS = (dict, list, set, tuple)
 
+
+def _binary(f: Callable, symbol: str, reflected: bool = False) -> Callable:
+    def method(self, other):
+        if isinstance(other, _OPERANDS):
+            return apply(f, other, self) if reflected else apply(f, self, other)
+        if type(other) in _CONTAINERS:
+            names = (type(other).__name__, "DArray") if reflected else ("DArray", type(other).__name__)
+            raise TypeError(f"unsupported operand type(s) for {symbol}: {names[0]!r} and {names[1]!r}")
+        return NotImplemented
+
+    return method
+
+
+def _integer_pow(x, *, exponent: int):
+    return jnp.power(x, exponent)
+
+
+_power = _binary(jnp.power, "**")
+
+
+def _pow(self, other):
+    """``x ** n``: a concrete integer exponent is static, so JAX computes ``lax.integer_pow`` (exact repeated
+    multiplication, and its error for integers raised to negative powers) as ``jax_array ** n`` does; any
+    other exponent is an operand."""
+    try:
+        exponent = operator.index(other)
+    except TypeError:
+        return _power(self, other)
+    return apply(_integer_pow, self, exponent=exponent)
+
+
+def _contains(x, query):
+    return x.__contains__(query)  # jax.Array's ``in``: a 1-D x, a scalar query
+
+
+def _in(self, query) -> bool:
+    if not isinstance(query, _OPERANDS):
+        raise TypeError(f"DArray.__contains__: unsupported operand type {type(query)}.")
+    return bool(apply(_contains, self, query))
+
+
+_ROWS_PER_PROGRAM = 100  # as jax.Array iterates: one program slices up to 100 rows
+
+
+def _rows(x, *, start: int, stop: int):
+    return tuple(x[i] for i in range(start, stop))
+
+
+def _iterate(self, reverse: bool = False):
+    """The rows along dim 0, a program per 100 rows (run as the iteration reaches them)."""
+    if not self.ndim:
+        raise TypeError("iteration over a 0-d array")  # jax.Array's error, raised by iter() itself
+    n = self.shape[0]
+    starts = range(0, n, _ROWS_PER_PROGRAM)
+    chunks = (apply(_rows, self, start=s, stop=min(s + _ROWS_PER_PROGRAM, n))
+              for s in (reversed(starts) if reverse else starts))
+    return (row for chunk in chunks for row in (reversed(chunk) if reverse else chunk))
+
+
+# operator name -> (jnp function, symbol); each gets its reflection (``2 - x``, ``np_array @ x``) too
+_ARITHMETIC = {
+    "add": (jnp.add, "+"), "sub": (jnp.subtract, "-"), "mul": (jnp.multiply, "*"), "truediv": (jnp.true_divide, "/"),
+    "floordiv": (jnp.floor_divide, "//"), "mod": (jnp.remainder, "%"), "divmod": (jnp.divmod, "divmod()"),
+    "matmul": (jnp.matmul, "@"), "and": (jnp.bitwise_and, "&"), "or": (jnp.bitwise_or, "|"),
+    "xor": (jnp.bitwise_xor, "^"), "lshift": (jnp.left_shift, "<<"), "rshift": (jnp.right_shift, ">>"),
+}
+# Python reflects a comparison by swapping it (``3 < x`` is ``x > 3``)
+_COMPARISONS = {"eq": (jnp.equal, "=="), "ne": (jnp.not_equal, "!="), "lt": (jnp.less, "<"),
+                "le": (jnp.less_equal, "<="), "gt": (jnp.greater, ">"), "ge": (jnp.greater_equal, ">=")}
 
 _METHODS = {
-    "__add__": _binary(jnp.add), "__radd__": _binary(jnp.add, True),
-    "__sub__": _binary(jnp.subtract), "__rsub__": _binary(jnp.subtract, True),
-    "__mul__": _binary(jnp.multiply), "__rmul__": _binary(jnp.multiply, True),
-    "__truediv__": _binary(jnp.true_divide), "__rtruediv__": _binary(jnp.true_divide, True),
-    "__pow__": _binary(jnp.power), "__matmul__": _binary(jnp.matmul), "__rmatmul__": _binary(jnp.matmul, True),
-    "__lt__": _binary(jnp.less), "__le__": _binary(jnp.less_equal),
-    "__gt__": _binary(jnp.greater), "__ge__": _binary(jnp.greater_equal),
-    "__neg__": lambda self: apply(jnp.negative, self),
+    **{f"__{name}__": _binary(f, symbol) for name, (f, symbol) in {**_ARITHMETIC, **_COMPARISONS}.items()},
+    **{f"__r{name}__": _binary(f, symbol, True) for name, (f, symbol) in _ARITHMETIC.items()},
+    "__pow__": _pow, "__rpow__": _binary(jnp.power, "**", True),
+    # elementwise == leaves no hash consistent with it: unhashable, as a jax.Array
+    "__hash__": None,
+    # numpy's binary operators defer to an operand of higher priority that has no __array_ufunc__, so
+    # ``np_array + x`` is ``x.__radd__(np_array)``, while numpy functions take x through __array__ (jax.Array's 100)
+    "__array_priority__": 100,
+    "__neg__": lambda self: apply(jnp.negative, self), "__pos__": lambda self: apply(jnp.positive, self),
+    "__abs__": lambda self: apply(jnp.abs, self), "__invert__": lambda self: apply(jnp.invert, self),
+    "__iter__": _iterate, "__reversed__": lambda self: _iterate(self, reverse=True), "__contains__": _in,
     "__getitem__": lambda self, idx: apply(_getitem, self, idx=idx),
     "T": property(lambda self: apply(jnp.transpose, self), doc="The transpose (numpy's ``.T``)."),
     "sum": lambda self, axis=None: apply(jnp.sum, self, axis=axis),

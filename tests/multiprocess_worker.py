@@ -16,6 +16,7 @@ with jshard's own layout code.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -282,6 +283,31 @@ def check_jax_arrays_in(mesh: Mesh, codes, value) -> None:
                  terms=np.abs(t).sum(0) + np.abs(value[0]), err_msg=f"jax.Array in, {name_of(codes)}")
 
 
+def check_explicit_closure(inside: bool) -> None:
+    """A function closing over a ``jax.Array`` on Explicit mesh axes (``jax.make_mesh``'s default: the sharding
+    is in its type), spanning both processes: an input of the program where it lies, inside
+    ``with jax.set_mesh(mesh):`` or not, forward and gradient against float64 numpy."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(_grid, ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2)
+    rng = np.random.default_rng(5)
+    xv, wv = rng.normal(size=(8, 16)).astype(np.float32), rng.normal(size=(16, 8)).astype(np.float32)
+    w = jax.make_array_from_callback(wv.shape, NamedSharding(mesh, P("dp", "tp")), lambda index: wv[index])
+    assert not w.is_fully_addressable and jax.typeof(w).sharding.spec == P("dp", "tp")
+    x = jshard.distribute(xv, mesh, placements(("S0", "R")))
+    with jax.set_mesh(mesh) if inside else contextlib.nullcontext():
+        y = jshard.jit(lambda a: a @ w)(x)
+        g = jshard.jit(jax.grad(lambda a: jnp.sin(a @ w).sum()))(x)
+    x64, w64 = xv.astype(np.float64), wv.astype(np.float64)
+    terms = np.abs(x64) @ np.abs(w64)
+    assert_close(np.asarray(y.full()), (x64 @ w64).astype(np.float32), n=16, terms=terms, err_msg="x @ w")
+    want = np.cos(x64 @ w64) @ w64.T
+    assert_close(np.asarray(g.full()), want.astype(np.float32), n=16 + 8, terms=(np.abs(np.cos(x64 @ w64)) + terms)
+                 @ np.abs(w64).T, err_msg="grad of sin(x @ w)")
+    RESULTS["digests"][f"explicit_closure/{'set_mesh' if inside else 'no_mesh'}"] = digest(y.full(), g.full())
+
+
 def check_jax_array_on_another_mesh() -> None:
     """An argument spanning both processes on a mesh other than the call's cannot be fetched to the host: a
     clear error naming it, before any work."""
@@ -501,6 +527,8 @@ def main() -> None:
             check(f"from_process_local/{key}/{name_of(codes)}", check_from_process_local, mesh, codes, VALUE)
         check(f"jax_arrays_in/{key}", check_jax_arrays_in, mesh, data, EVEN)
     check("jax_arrays_in/another_mesh", check_jax_array_on_another_mesh)
+    for inside in (True, False):
+        check(f"jax_arrays_in/explicit_closure_{'set_mesh' if inside else 'no_mesh'}", check_explicit_closure, inside)
     for key in MESHES:
         check(f"jit_mlp/{key}", check_mlp, key)
     check("gpt/tp_2x4", check_gpt)

@@ -110,6 +110,20 @@ PARALLELIZE = [
      r"mesh axis 'model'.*mesh\(dp=2, tp=4\)"),
     ("pattern-matches-nothing", gpt, lambda m, mesh: parallelize(m, mesh, {"blocks/*/mlp": ColwiseParallel("tp")}),
      ValueError, r"pattern\(s\) \['blocks/\*/mlp'\] match no module"),
+    # two patterns on one module, one mesh axis, two styles: the conflict, not "matches no module" for the one
+    # that lost (as when the first matching pattern won)
+    ("patterns-conflict", gpt,
+     lambda m, mesh: parallelize(m, mesh, {"*p": ColwiseParallel("tp"), "blocks/0/up": RowwiseParallel("tp")}),
+     ValueError, r"plan patterns '\*p' and 'blocks/0/up' both match 'blocks/0/up' and give it different styles on "
+                 r"mesh axis 'tp', ColwiseParallel\(axis='tp'.*\) and RowwiseParallel\(axis='tp'.*\); make the "
+                 r"patterns disjoint"),
+    ("patterns-conflict-in-a-list", gpt,
+     lambda m, mesh: parallelize(m, mesh, {"blocks/*/[qkv]": [FullyShard("dp"), ColwiseParallel("tp")],
+                                           "blocks/*/q": [FullyShard("dp"), RowwiseParallel("tp")]}),
+     ValueError, r"'blocks/\*/\[qkv\]' and 'blocks/\*/q' both match 'blocks/0/q' .* on mesh axis 'tp'"),
+    ("patterns-conflict-at-the-root", linear,
+     lambda m, mesh: parallelize(m, mesh, {"*": FullyShard("dp"), "": DataParallel("dp")}), ValueError,
+     r"plan patterns '\*' and '' both match the root module .* on mesh axis 'dp'"),
     ("two-styles-one-axis", gpt,
      lambda m, mesh: parallelize(m, mesh, {"head": [ColwiseParallel("tp"), RowwiseParallel("tp")]}), ValueError,
      "both place head on mesh axis 'tp'"),
@@ -130,6 +144,20 @@ def test_parallelize_refuses_bad_input_and_leaves_the_model(make, call, exc, mat
     with pytest.raises(exc, match=match):
         call(model, make_mesh((2, 4)))
     assert_untouched(model, before, x, want)
+
+
+def test_patterns_overlapping_without_conflict_all_apply():
+    """Every pattern matching a module applies to it: styles on different mesh axes compose (as in one pattern's
+    list), one style matched twice counts once; the module computes as before."""
+    mesh = make_mesh((2, 4))
+    model = parallelize(gpt(), mesh, {"*p": ColwiseParallel("tp"), "blocks/0/up": FullyShard("dp"),
+                                      "blocks/*/[qkv]": ColwiseParallel("tp"), "blocks/0/q": ColwiseParallel("tp"),
+                                      "blocks/0/down": RowwiseParallel("tp")})
+    block = model.blocks[0]
+    assert block.up.kernel.get_value().placements == (Shard(0), Shard(1))  # FSDP on dp and column parallel on tp
+    assert block.q.kernel.get_value().placements == block.k.kernel.get_value().placements == (R, Shard(1))
+    assert block.down.kernel.get_value().placements == (R, Shard(0))
+    assert_close(model(ids()).full(), gpt()(ids()), n=summed_terms(V, D, L, T, B))
 
 
 def test_an_unknown_logical_annotation_leaves_the_model():

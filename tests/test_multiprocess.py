@@ -5,10 +5,10 @@ coordinator port, gloo CPU collectives, different hash seeds to catch set/dict-o
 processes). Each worker runs every check on meshes whose axes in turn cross the two processes: ``distribute``
 (Shard, uneven Shard, Replicate, Partial), ``from_local`` and ``from_process_local`` (each process its own rows)
 against independently computed local blocks, ``redistribute`` across placement kinds, sharded ``jax.Array``s
-passed to and closed over by ``jshard.jit``, ``jshard.jit`` of an MLP and its ``value_and_grad`` against float64
-numpy, and the demo's GPT initialised sharded (bitwise the eager values) and trained 3 tensor-parallel
-``TrainStep``s against one device. Here: both exit 0 within a hard timeout, every check
-passed, and the two processes computed bitwise-equal losses, gradients and reduced values.
+passed to and closed over by ``jshard.jit`` (on Auto and on Explicit mesh axes), ``jshard.jit`` of an MLP and
+its ``value_and_grad`` against float64 numpy, and the demo's GPT initialised sharded (bitwise the eager values)
+and trained 3 tensor-parallel ``TrainStep``s against one device. Here: both exit 0 within a hard timeout, every
+check passed, and the two processes computed bitwise-equal losses, gradients and reduced values.
 
 One launch of both workers does everything (a few seconds of compilation on each); the test never waits on a
 worker past ``TIMEOUT``: when one fails or time runs out, both are killed and the failing one's stderr is shown.

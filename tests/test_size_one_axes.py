@@ -19,7 +19,16 @@ import jshard
 from conftest import make_mesh, mesh_params
 from jshard import Partial, Replicate, Shard, StridedShard
 from jshard.gpt import GPT, cross_entropy, one_device_trainer, plan, summed_terms
-from jshard.parallel import TrainStep, parallelize, placements_of
+from jshard.parallel import (
+    ColwiseParallel,
+    DataParallel,
+    FullyShard,
+    RowwiseParallel,
+    SequenceParallel,
+    TrainStep,
+    parallelize,
+    placements_of,
+)
 from jshard.validate.tolerance import curve_ratio
 from oracle import assert_close, check_darray, local_blocks
 
@@ -53,6 +62,7 @@ def test_every_placement_on_a_size_one_axis_moves_for_free(mesh_shape):
         src = around(mesh_shape, axis, p, Shard(1))
         x = jshard.from_local(local_blocks(value, mesh_shape, src, rng), mesh, src, shape=value.shape)
         check_darray(x, value)
+        check_darray(jshard.distribute(value, mesh, src), value)
         for i, q in enumerate(EVERY):
             others = (Shard(1), Shard(0))[i % 2]  # every other target also moves the shards around it
             dst = around(mesh_shape, axis, q, others)
@@ -178,3 +188,34 @@ def test_checkpoints_saved_on_or_restored_onto_size_one_axes(tmp_path, saved_on,
     assert back.placements == target
     check_darray(back, np.asarray(x.full()))
     np.testing.assert_allclose(np.asarray(back.full()), value, rtol=1e-6, atol=1e-5)
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(16, 8, rngs=rngs)
+        self.norm = nnx.LayerNorm(8, rngs=rngs)
+        self.up, self.down = nnx.Linear(8, 32, rngs=rngs), nnx.Linear(32, 8, rngs=rngs)
+
+    def __call__(self, ids):
+        x = self.norm(self.embed(ids))
+        return x + self.down(jax.nn.gelu(self.up(x)))
+
+
+@pytest.mark.parametrize("mesh_shape", mesh_params(((1, 8), (8, 1), (1, 1)), ((1, 8), (8, 1))))
+def test_every_style_on_a_size_one_axis_matches_one_device(mesh_shape):
+    """Every parallel style on each axis (one of them of size 1), forward and gradients as on one device."""
+    mesh = make_mesh(mesh_shape)
+    dp, tp = mesh.axis_names
+    styles = {"embed": RowwiseParallel(tp), "norm": SequenceParallel(tp), "up": ColwiseParallel(tp),
+              "down": RowwiseParallel(tp, output=Shard(1)), "": DataParallel(dp)}
+    ids = np.random.default_rng(4).integers(0, 16, (4, 6)).astype(np.int32)
+    loss = lambda m, ids: jnp.mean(m(ids) ** 2)
+    for plan_, default in ((styles, ()), ({}, (FullyShard(dp),)), ({}, (FullyShard(tp),))):
+        model = parallelize(MLP(nnx.Rngs(0)), mesh, plan_, default=default)
+        x = jshard.distribute(ids, mesh, (Shard(0), R))
+        ref = MLP(nnx.Rngs(0))
+        n = 8 + 32 + 4 * 6 * 8
+        assert_close(jshard.jit(loss)(model, x).full(), loss(ref, ids), n=n)
+        grads = jax.tree.leaves(jshard.jit(nnx.grad(loss))(model, x), is_leaf=lambda a: isinstance(a, jshard.DArray))
+        for g, w in zip(grads, jax.tree.leaves(nnx.grad(loss)(ref, ids))):
+            assert_close(g.full(), w, n=n)

@@ -3,14 +3,34 @@
 ``jshard.constrain`` binds it; outside the engine it is the identity (its lowering returns its operand), so
 code that uses it still runs under plain ``jax.jit``. Its transpose pins the cotangent the same way, as JAX's
 own sharding constraints do, unless ``pin_gradient=False``.
+
+Its placements are checked twice: where it is bound, against the value's rank alone (``check_placements``: a
+wrong dim fails in eager code and under ``jax.jit`` as it would inside ``jshard.jit``), and by the engine
+against the mesh (``constrain_target``: the number of axes, their names, the placements it has now).
 """
 
 from __future__ import annotations
 
 from ..jaxcompat import ad, batching, jc, mlir
+from ..placements import PlacementError, Replicate, normalize_placements
 from ..spec import Spec, format_mesh
 
-__all__ = ["constrain_p", "constrain_target"]
+__all__ = ["check_placements", "constrain_p", "constrain_target"]
+
+
+def check_placements(placements: tuple, rank: int) -> None:
+    """A ``PlacementError`` where ``placements`` (entries, or ``(axis name, placement)`` pairs) cannot hold a
+    value of ``rank`` on any mesh: a shard dim out of range, Partial ops that do not mix. What needs the mesh
+    is ``constrain_target``'s."""
+    if placements and isinstance(placements[0], tuple):  # a dict: its axes by name, their positions unknown
+        for name, p in placements:
+            if p.is_shard and not -rank <= p.dim < rank:
+                raise PlacementError(f"jshard.constrain: {p!r} on mesh axis {name!r} names dim {p.dim}, but the "
+                                     f"array has rank {rank}; use a dim in [{-rank}, {rank})")
+        entries = [p for _, p in placements]
+    else:  # None keeps an axis as the engine has it: nothing here to check it against
+        entries = [Replicate() if p is None else p for p in placements]
+    normalize_placements(entries, len(entries), rank, where="jshard.constrain")
 
 
 def constrain_target(spec: Spec, placements: tuple) -> Spec:

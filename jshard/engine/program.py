@@ -24,9 +24,9 @@ from jax.sharding import Mesh, NamedSharding
 
 from ..cost import CostModel
 from ..darray import DArray, DeletedArrayError, adopt, donation_of, donation_slot
-from ..jaxcompat import open_jaxpr, source_info_util
+from ..jaxcompat import is_sharding_type_error, open_jaxpr, source_info_util
 from ..planner import model_in_force, pricing
-from ..spec import Spec, block_of, block_sharding, format_mesh, local_of
+from ..spec import Spec, block_of, block_sharding, local_of
 from .kernel import communicates, local_function
 from .walk import JaxprPlan, plan_jaxpr
 
@@ -75,7 +75,7 @@ def trace(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, pins: Callable[[
                             "(or pytrees of arrays)")
         return out
 
-    closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(*avals)
+    closed, out_shape = _jaxpr(traced, avals, mesh)
     out_tree = jax.tree.structure(out_shape)
     pinned = [None if pin is None else Spec.create(mesh, pin, a.shape, a.dtype, where=f"out_placements (output {i})")
               for i, (pin, a) in enumerate(zip(pins(out_tree, len(closed.out_avals)), closed.out_avals))]
@@ -85,18 +85,38 @@ def trace(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, pins: Callable[[
     return Traced(out_tree, plan, pinned, [d for d in lifted if d is not None])
 
 
+def _jaxpr(traced: Callable, avals: list, mesh: Mesh) -> tuple[Any, Any]:
+    """``jax.make_jaxpr(traced, return_shape=True)(*avals)``, under the call's mesh where JAX's sharding types
+    need one.
+
+    A function closing over an array on Explicit mesh axes computes with sharded types, and some of JAX's
+    rules (the transpose of a matmul with such a weight, under ``jax.grad``) type their result after an input
+    that, traced at global shapes with no mesh around, has none: a ``ShardingTypeError``, which ``jax.jit``
+    avoids because its arguments are on the mesh. The trace is then done again with the call's mesh as JAX's
+    mesh (as ``with jax.set_mesh(mesh):`` does), where the inputs are replicated on it, as they are in the
+    plan's view before placement. Only on that error: a mesh in force changes more than types (Flax places
+    annotated variables itself under one), so a function that traces without it is traced without it."""
+    try:
+        return jax.make_jaxpr(traced, return_shape=True)(*avals)
+    except Exception as e:
+        if not (is_sharding_type_error(e) and jax.sharding.get_abstract_mesh().empty):
+            raise
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            try:
+                return jax.make_jaxpr(traced, return_shape=True)(*avals)
+            except Exception:
+                raise e from None
+
+
 def _lifted(const: Any, mesh: Mesh, name: str) -> DArray | None:
     """A closed-over constant as a DArray input, when it is a ``jax.Array`` split over the mesh's devices or
-    spanning other processes (as a literal it would be fetched whole to the host); None for the others."""
+    spanning other processes (as a literal it would be fetched whole to the host); None for the others.
+
+    One on Explicit mesh axes (``jax.make_mesh``'s default) carries its sharding in its type, and so do the
+    equations that use it; the plan reads only shapes and dtypes, and the body runs on local blocks, so it is
+    lifted like any other: the sharding it has is where its blocks start from."""
     if not (isinstance(const, jax.Array) and isinstance(const.sharding, NamedSharding)):
         return None
-    typed = getattr(getattr(jax.typeof(const), "sharding", None), "spec", None) or ()
-    if any(entry is not None for entry in typed):
-        # its type carries the sharding (Explicit mesh axes), which every equation using it would carry too
-        raise ValueError(f"jshard.jit: {name or 'the function'} closes over a jax.Array {const.aval.str_short()} "
-                         f"sharded on Explicit mesh axes of {format_mesh(const.sharding.mesh)} "
-                         f"({const.sharding.spec}); pass it as an argument instead (an argument on the mesh is taken "
-                         "as it is), or close over jshard.from_jax(x) passed in, or a mesh with Auto axes")
     if const.is_fully_replicated and const.is_fully_addressable:
         return None  # a literal: every device may hold it whole
     return adopt(const, mesh, f"a constant {name or 'the function'} closes over")

@@ -71,8 +71,10 @@ def parallelize(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh,
     whole) and the values are exactly those of the eager single-device construction. A built module is fine
     for small models: its parameters are distributed from where they are.
 
-    ``plan``: ``{module path pattern: style or [styles]}`` (first matching pattern wins; ``""`` is the model
-    itself; a ``FullyShard`` also takes the parameters of the modules inside its own, gathering them together);
+    ``plan``: ``{module path pattern: style or [styles]}`` (every pattern matching a module applies to it, its
+    styles on different mesh axes composing; two that give one module different styles on one mesh axis are
+    refused as a conflict; ``""`` is the model itself; ``*`` also matches ``/``; a ``FullyShard`` also takes the
+    parameters of the modules inside its own, gathering them together);
     ``default``: styles applied to every parameter first (say ``FullyShard("dp")``); ``rules``:
     ``(logical name, mesh axis)`` pairs resolving ``nnx.with_partitioning`` names. The parameters stay DArrays
     through ``nnx.split`` / ``nnx.merge`` / ``nnx.state`` and ``jshard.jit``.
@@ -108,9 +110,9 @@ def parallelize(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh,
     matched, used = {}, set()
     for path, module in modules.items():  # every module gets an entry: default styles may gather its params
         key = "/".join(map(str, path))
-        pattern = next((p for p in plan if fnmatch.fnmatchcase(key, p)), None)
-        used.add(pattern)
-        matched[path] = plan[pattern] if pattern is not None else ()
+        patterns = [p for p in plan if fnmatch.fnmatchcase(key, p)]
+        used.update(patterns)
+        matched[path] = _matched(plan, patterns, key)
         _check_axes(default + matched[path], names, mesh, key)
         constrains = [s for s in matched[path] if s.input is not None or s.output is not None]
         if constrains and not callable(module):
@@ -284,6 +286,26 @@ def _rules(rules: Any, mesh: Mesh) -> dict[str, Any]:
                              "logical name one target")
         table[name] = target
     return table
+
+
+def _matched(plan: dict[str, tuple[ParallelStyle, ...]], patterns: list[str], where: str) -> tuple[ParallelStyle, ...]:
+    """The styles of the module at ``where``: those of every plan pattern matching it, in plan order (styles on
+    different mesh axes compose, as in one pattern's list; one style matched twice counts once). Two patterns
+    giving it different styles on one mesh axis are a conflict, refused naming both."""
+    styles, by_axis = [], {}
+    for pattern in patterns:
+        for style in plan[pattern]:
+            first = by_axis.setdefault(style.axis, (pattern, style))
+            if first[0] == pattern:  # two styles of one pattern on one axis: _check_axes names them
+                styles.append(style)
+            elif first[1] != style:
+                module = repr(where) if where else "the root module"
+                raise ValueError(f"parallelize: plan patterns {first[0]!r} and {pattern!r} both match {module} and "
+                                 f"give it different styles on mesh axis {style.axis!r}, {first[1]} and {style}; "
+                                 "make the patterns disjoint (every pattern that matches a module applies to it: "
+                                 "name the module in one pattern only, say with fnmatch's [!...] to leave it out of "
+                                 "the other), or give both one style")
+    return tuple(styles)
 
 
 def _check_axes(styles, names, mesh, where) -> None:
