@@ -88,6 +88,8 @@ MESHES = {
     "8": Mesh(_grid.reshape(8), ("x",)),
 }
 CROSSING = {"2x4": 0, "4x2": 1, "8": 0}  # which mesh axis crosses processes
+# a dp x sp x tp configuration with sp=1 (issue 37: size-1 axes crashed every gradient); dp crosses processes
+SIZE_ONE = Mesh(_grid.reshape(2, 1, 4), ("dp", "sp", "tp"))
 
 
 def placement(code: str):
@@ -352,11 +354,12 @@ MLP_LAYOUTS = {
     "2x4": (("S0", "R"), ("R", "S1"), ("R", "S0")),
     "4x2": (("R", "S0"), ("S1", "R"), ("S0", "R")),
     "8": (("S0",), ("R",), ("R",)),
+    "2x1x4": (("S0", "S0", "R"), ("R", "S1", "S1"), ("R", "R", "S0")),  # a shard on the size-1 axis too
 }
 
 
 def check_mlp(key: str) -> None:
-    mesh = MESHES[key]
+    mesh = SIZE_ONE if key == "2x1x4" else MESHES[key]
     data, l1, l2 = MLP_LAYOUTS[key]
     rng = np.random.default_rng(3)
     x, y = rng.normal(size=(8, 16)).astype(np.float32), rng.normal(size=(8, 4)).astype(np.float32)
@@ -511,6 +514,8 @@ def main() -> None:
         for codes in cases:
             check(f"distribute/{key}/{name_of(codes)}", check_distribute, mesh, codes, VALUE)
         check(f"distribute/{key}/even", check_distribute, mesh, ("S0",) * mesh.devices.ndim, EVEN)
+    for codes in [("S0", "S0", "S1"), ("Psum", "Psum", "S0"), ("R", "Pavg", "R")]:
+        check(f"distribute/2x1x4/{name_of(codes)}", check_distribute, SIZE_ONE, codes, VALUE)
     for key, mesh in MESHES.items():
         cases = DISTRIBUTE_2D if mesh.devices.ndim == 2 else DISTRIBUTE_1D
         for codes in cases[:: 2]:
@@ -521,15 +526,18 @@ def main() -> None:
         for src, dst in cases:
             check(f"redistribute/{key}/{name_of(src)}->{name_of(dst)}", check_redistribute, mesh, src, dst, VALUE)
         check(f"redistribute/{key}/random_partial_sums", check_reduce_random_partials, mesh, key)
+    for src, dst in [(("S0", "S0", "S1"), ("R", "S1", "S0")), (("Psum", "S0", "R"), ("S0", "R", "Psum"))]:
+        check(f"redistribute/2x1x4/{name_of(src)}->{name_of(dst)}", check_redistribute, SIZE_ONE, src, dst, VALUE)
     for key, mesh in MESHES.items():
         data = MLP_LAYOUTS[key][0]
         for codes in (data, ("S1",) + data[1:]):
             check(f"from_process_local/{key}/{name_of(codes)}", check_from_process_local, mesh, codes, VALUE)
         check(f"jax_arrays_in/{key}", check_jax_arrays_in, mesh, data, EVEN)
+    check("from_process_local/2x1x4/S0,S0,R", check_from_process_local, SIZE_ONE, ("S0", "S0", "R"), VALUE)
     check("jax_arrays_in/another_mesh", check_jax_array_on_another_mesh)
     for inside in (True, False):
         check(f"jax_arrays_in/explicit_closure_{'set_mesh' if inside else 'no_mesh'}", check_explicit_closure, inside)
-    for key in MESHES:
+    for key in MLP_LAYOUTS:
         check(f"jit_mlp/{key}", check_mlp, key)
     check("gpt/tp_2x4", check_gpt)
     for key in MESHES:
