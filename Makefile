@@ -40,6 +40,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/train_step.py
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/checkpoint.py
+	$(PY) benchmarks/gpu.py
 
 clean:
 	rm -rf $(VENV) $(NEWEST) *.egg-info
