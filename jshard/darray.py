@@ -158,6 +158,7 @@ class DArray:
 
     def _scalar(self, where: str) -> np.ndarray | jax.Array:
         """The value of a 0-d DArray, which is all ``float(jax_array)`` takes."""
+        self._check_live(where)  # a donated DArray says so before anything else
         if self.ndim:
             raise TypeError(f"{where}: {self!r} is not a scalar; only a 0-d DArray converts to a Python number "
                             "(x.full() gives the whole value)")

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .caches import memo
 from .exchange import exchange_schedule
 from .local import PerDevice, at_origin, coordinates_read_once, opaque_ints, reduce_identity
-from .planner import Plan, Step, model_in_force
+from .planner import Plan, Step, mean_carrier, model_in_force
 from .spec import Spec, block_of, block_sharding, local_of
 
 __all__ = ["BUCKET_BYTES", "MIN_SAVING", "compile_plan", "local_program", "local_programs", "ordered_reduce",
@@ -184,6 +184,8 @@ def _shares(step: Step, plan: Plan) -> bool:
     latency and pays for being copied into and out of the shared buffer."""
     if not (step.kind == "all_gather" or (step.kind, step.op) == ("reduce_scatter", "sum")):
         return False
+    if step.scale != 1 and mean_carrier(plan.src.dtype) is not None:
+        return False  # an integer average scatters (quotient, remainder) pairs: not the blocks of its dtype
     n, fixed = _group_and_latency(step, plan)
     return model_in_force().collective(step.kind, step.axes, n, step.bytes) <= 2 * fixed
 
@@ -302,15 +304,40 @@ class _Select:
         return jnp.take(x, jnp.asarray(row, dtype=jnp.int32), axis=self.dim, mode="clip")
 
 
+class _Mean:
+    """A sum that an average divides by ``n``: the parts themselves for inexact dtypes (the sum, then ``/ n``);
+    for integers the pairs ``(p // n, p % n)`` of ``mean_carrier`` on a new last axis (one collective moves
+    both, whatever dim it scatters), and ``sum(p // n) + sum(p % n) // n`` after it, the exact ``floor(S / n)``
+    that the dtype could not hold the sum of."""
+
+    def __init__(self, n: int, dtype):
+        self.n, self.dtype, self.carrier = n, np.dtype(dtype), mean_carrier(dtype) if n != 1 else None
+
+    def split(self, x):
+        if self.carrier is None:
+            return x
+        q, r = jnp.divmod(x.astype(self.carrier), self.n)  # floor division: 0 <= r < n
+        return jnp.stack([q, r], axis=-1)
+
+    def join(self, total):
+        if self.n == 1:
+            return total
+        if self.carrier is None:
+            return total / jnp.asarray(self.n, total.dtype)
+        # the quotients' sum wraps modulo 2**bits like any integer sum; floor(S / n) is in range
+        return (total[..., 0] + total[..., 1] // self.n).astype(self.dtype)
+
+
 class _ReduceScatter:
-    """A sum reduce-scatter step kept in its parts (re-index, collective, scale), so that several can share one
+    """A sum reduce-scatter step kept in its parts (re-index, collective, mean), so that several can share one
     collective (``together``)."""
 
-    def __init__(self, pre: _Select, axes: tuple[str, ...], dim: int, group: int, scale: Callable):
-        self.pre, self.axes, self.dim, self.group, self.scale = pre, axes, dim, group, scale
+    def __init__(self, pre: _Select, axes: tuple[str, ...], dim: int, group: int, mean: _Mean):
+        self.pre, self.axes, self.dim, self.group, self.mean = pre, axes, dim, group, mean
 
     def __call__(self, x):
-        return self.scale(lax.psum_scatter(self.pre(x), self.axes, scatter_dimension=self.dim, tiled=True))
+        x = self.mean.split(self.pre(x))
+        return self.mean.join(lax.psum_scatter(x, self.axes, scatter_dimension=self.dim, tiled=True))
 
     @staticmethod
     def together(steps: list[_ReduceScatter], blocks: list) -> list:
@@ -327,7 +354,7 @@ class _ReduceScatter:
             shapes.append(split[:d] + split[d + 1:])
         mine = lax.psum_scatter(jnp.concatenate(rows, axis=1), steps[0].axes, scatter_dimension=0, tiled=True)[0]
         pieces = _cut(mine, [math.prod(shape) for shape in shapes], steps[0].axes[0])
-        return [step.scale(piece.reshape(shape)) for step, piece, shape in zip(steps, pieces, shapes)]
+        return [step.mean.join(piece.reshape(shape)) for step, piece, shape in zip(steps, pieces, shapes)]
 
 
 class _AllGather:
@@ -438,11 +465,7 @@ def _lower_step(mesh, step: Step, spec: Spec) -> Callable:
     what = str(step)
     dtype = spec.dtype
 
-    def scale(x):
-        if step.scale == 1:
-            return x
-        return x // step.scale if jnp.issubdtype(dtype, jnp.integer) else x / jnp.asarray(step.scale, x.dtype)
-
+    mean = _Mean(step.scale, dtype)
     group = int(np.prod([mesh.devices.shape[a] for a in axes]))
     if step.kind == "all_gather":  # _buckets relies on this: every all-gather can share a collective
         d = step.dim
@@ -452,14 +475,14 @@ def _lower_step(mesh, step: Step, spec: Spec) -> Callable:
 
     if step.kind == "all_reduce":
         if step.op == "sum":
-            return lambda x: scale(lax.psum(x, step.axes))
+            return lambda x: mean.join(lax.psum(mean.split(x), step.axes))
         return lambda x: ordered_reduce(step.op, x, step.axes)
 
     if step.kind == "reduce_scatter":
         d = step.dim
         pre = _Select(_find(cur[d], _group_concat(tgt[d], axes), fill=None, what=what), cur[d].shape[-1], names, d)
         if step.op == "sum":  # _buckets relies on this: every sum reduce-scatter can share a collective
-            return _ReduceScatter(pre, step.axes, d, group, scale)
+            return _ReduceScatter(pre, step.axes, d, group, mean)
         reduce = jnp.max if step.op == "max" else jnp.min  # NaN wins, as in ordered_reduce
 
         def scatter_extreme(x):  # psum_scatter sums only: each device's chunk from every device, then reduced

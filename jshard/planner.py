@@ -28,9 +28,13 @@ sends every device exactly the sub-blocks it lacks in rounds of ppermute, either
 or to the target with the source's shards kept where the target replicates (then gathered); it is taken
 when it is cheaper than the best path of collectives.
 
-With an integer dtype an average divides last: ``floor(a / n) + floor(b / n)`` is not ``floor((a + b) / n)``,
-so the collective that reduces a ``Partial(avg)`` axis also reduces (or follows) every other pending sum
-or avg axis, and a Partial target is partitioned again afterwards.
+An integer ``Partial(avg)`` is ``floor(S / n)``, ``S`` the exact sum of the parts over its sum and avg axes and
+``n`` the size of its avg axes, wrapped into the dtype like any integer sum (an average alone, of parts in range,
+is in range: exact for every value of the dtype). ``floor(a / n) + floor(b / n)`` is not ``floor((a + b) / n)``,
+nor is the average of sums that wrapped the average of their parts, so while an integer avg axis is pending,
+its sum and avg axes are reduced together in one collective (of ``mean_carrier`` pairs: each part split into
+quotient and remainder, so that ``S`` never has to fit the dtype), and a Partial target is partitioned again
+afterwards.
 
 (*) Innermost: last in mesh order (the order in which placements apply), or last in the dim's shard order when
 its StridedShards spell one (``spec.cut_order``; FSDP inside TP, ``(SS(0,4), S(0))``, cuts on the data axis
@@ -60,6 +64,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 
 from . import exchange
 from .caches import memo
@@ -68,7 +73,7 @@ from .placements import Placement, Replicate, StridedShard, format_placements, p
 from .spec import Spec, cut_order, dim_layout
 
 __all__ = ["Step", "Plan", "plan_redistribute", "plan_uncached", "check_cost_model", "pricing", "model_in_force",
-           "DEFAULT_COST_MODEL"]
+           "mean_carrier", "DEFAULT_COST_MODEL"]
 
 DEFAULT_COST_MODEL = CostModel()
 # the model that prices what is planned with no model named: the default, or a jshard.jit's while it plans
@@ -225,6 +230,18 @@ def pricing(cost_model: CostModel) -> Iterator[CostModel]:
         _IN_FORCE.reset(token)
 
 
+def mean_carrier(dtype) -> np.dtype | None:
+    """What an integer average is reduced in: each part ``p`` as the pair ``(p // n, p % n)``, whose sums give
+    ``floor(S / n) = sum(p // n) + sum(p % n) // n`` with no sum that must fit the dtype exactly (the quotients'
+    sum may wrap like any integer sum; the result is in range). The dtype itself from 32 bits on, where the
+    remainders (each below ``n``) add up far inside it; int32 for narrower ones, where neither ``n`` nor the
+    remainders' sum need fit. None for inexact dtypes, which divide the sum directly."""
+    if not jnp.issubdtype(dtype, jnp.integer):
+        return None
+    dtype = np.dtype(dtype)
+    return dtype if dtype.itemsize >= 4 else np.dtype(np.int32)
+
+
 # ---------------------------------------------------------------------------------------------------
 # internals
 
@@ -268,7 +285,7 @@ class Run(NamedTuple):
     merge_key: tuple  # what its collectives share: the kind and the dim (or reduce op)
     axes: tuple[int, ...]  # the mesh axes merged so far, in order
     nbytes: int  # its input bytes per device, fixed by its first collective
-    divides: bool  # whether it reduces a Partial(avg) axis (an integer average must divide last)
+    divides: bool  # whether it reduces a Partial(avg) axis (an integer average reduces every sum with it)
 
 
 def _requirement(merge_key):
@@ -288,7 +305,7 @@ class _Search:
                  model: CostModel):
         self.shape, self.sizes, self.model = spec.shape, spec.mesh_shape, model
         self.names = tuple(spec.mesh.axis_names)
-        self.itemsize = spec.itemsize
+        self.dtype, self.itemsize = spec.dtype, spec.itemsize
         self.table = list(dict.fromkeys((_R, *start, *dst)))
         ids = {p: i for i, p in enumerate(self.table)}
         self.start, self.dst = tuple(ids[p] for p in start), tuple(ids[p] for p in dst)
@@ -321,20 +338,31 @@ class _Search:
         return partial_ops_mix({self.op[p] for p, n in zip(state, self.sizes) if self.op[p] and n > 1})
 
     def divides_early(self, state, run) -> bool:
-        """Whether closing ``run`` in ``state`` leaves integer parts of a floor-divided average to be summed.
+        """Whether closing ``run`` in ``state`` splits an integer average's sum between collectives.
 
-        ``floor(a / n) + floor(b / n)`` is not ``floor((a + b) / n)``: with an integer dtype, the run that
-        divides (reduces a Partial(avg) axis) must leave no Partial sum or avg pending, so it either follows
-        the other sums or is merged with them into one collective. Floats divide anywhere.
+        ``floor(a / n) + floor(b / n)`` is not ``floor((a + b) / n)``, and an average of integer sums that
+        wrapped is not the average of their parts: with an integer dtype, a run of sums that divides (reduces a
+        Partial(avg) axis), or that leaves one pending, must leave no Partial sum or avg pending, so every sum
+        and avg axis is reduced in that one collective. Floats divide anywhere; integer sums alone wrap alike
+        in any order.
         """
-        return (self.floor_divides and run is not None and run.divides
-                and any(self.op[p] in ("sum", "avg") and n > 1 for p, n in zip(state, self.sizes)))
+        if not (self.floor_divides and run is not None and _requirement(run.merge_key) == "sum"):
+            return False
+        pending = {self.op[p] for p, n in zip(state, self.sizes) if n > 1} & {"sum", "avg"}
+        return bool(pending) and (run.divides or "avg" in pending)
 
     def avg_to_floor(self, state) -> bool:
-        """Whether an integer Partial(avg) axis still has to be reduced: then sum and avg axes already in
-        place may be reduced with it (and partitioned again), so that the division comes last."""
-        return self.floor_divides and any(self.op[p] == "avg" and p != q and n > 1
-                                          for p, q, n in zip(state, self.dst, self.sizes))
+        """Whether an integer sum or avg axis still has to be reduced while an avg axis is pending: then
+        the sum and avg axes already in place are reduced with it (and partitioned again), so that one
+        collective divides the exact sum of every part (``divides_early``)."""
+        if not self.floor_divides:
+            return False
+        reduced = avg = False
+        for p, q, n in zip(state, self.dst, self.sizes):
+            if n > 1 and self.op[p] in ("sum", "avg"):
+                reduced |= p != q
+                avg |= self.op[p] == "avg"
+        return reduced and avg
 
     def heuristic(self, state, open_run) -> float:
         """Admissible: every axis still needing a collective pays its cheapest hops; each dim (or
@@ -623,6 +651,9 @@ def _merge(search: _Search, edges: list[Edge]) -> list[Step]:
                 nbytes = search.buffer_bytes(first_ids, last_ids, cut, group_size)
             else:
                 nbytes = search.nbytes(first_ids)
+            carrier = mean_carrier(search.dtype) if scale != 1 else None
+            if carrier is not None:  # an integer average moves a (quotient, remainder) pair per element
+                nbytes = nbytes // search.itemsize * 2 * carrier.itemsize
             cost = search.model.collective(kind, tuple(names[a] for a in order), group_size, nbytes)
         steps.append(Step(kind, tuple(names[a] for a in order), first, last, dim, split_dim, op, scale,
                           nbytes, cost))

@@ -244,7 +244,18 @@ def _kind(dtype) -> str:
 
 
 def _convert(ins, outs, params) -> list[tuple]:
-    """Seed 000: a cast keeps a pending reduction only if it commutes with it."""
+    """A cast keeps a pending reduction only if it commutes with it: casting the reduced value must give what
+    reducing the cast parts gives, for every value of the source dtype.
+
+    - float -> float keeps ``P(sum|avg)``: a design decision, DTensor's dtype-cast linearity (each part rounds
+      where the sum would round once, within the target's precision);
+    - int -> float keeps neither: the parts round where their sum would not (``16777217 - 16777216`` is 1, its
+      float32 parts cancel to 0), and an integer sum that wraps on one device does not wrap as floats;
+    - int -> int keeps ``P(sum)`` into a target no wider than the source: both sums agree modulo
+      ``2**bits(target)``, signed or not; a wider target would undo the wrap-around of the source's sum
+      (``127 + 1`` is -128 in int8, 128 in int32). It keeps ``P(avg)`` (``floor`` of the exact mean, which is in
+      range) only where every value converts exactly (``can_cast`` safe), so the parts' exact sum is unchanged.
+    """
     src, dst = np.dtype(ins[0].dtype), np.dtype(params["new_dtype"])
     ks, kd = _kind(src), _kind(dst)
     if "b" in (ks, kd) or "?" in (ks, kd):
@@ -254,16 +265,10 @@ def _convert(ins, outs, params) -> list[tuple]:
     t = []
     if ks == "f" and kd == "f":
         t += linear_in(1, 0, LINEAR)
-    elif ks == "i" and kd == "f" and src.itemsize >= 4:
-        # parts of a narrow integer sum wrap around (250 + 12 is 6 in uint8, 262 as floats); 32-bit parts
-        # wrap only where the integer sum itself overflows
-        t += [(SUM, SUM)]
     elif ks == "i" and kd == "i":
-        # a sum agrees modulo 2**bits of a target no wider than the source; widening a narrow sum would
-        # undo the wrap-around of its parts
-        if dst.itemsize <= src.itemsize or src.itemsize >= 4:
+        if dst.itemsize <= src.itemsize:
             t += [(SUM, SUM)]
-        if np.can_cast(src, dst, casting="safe") and src.itemsize >= 4:
+        if np.can_cast(src, dst, casting="safe"):
             t += [(AVG, AVG)]
     # order survives rounding and float -> int truncation; integer narrowing or sign changes wrap around
     if ks != "i" or kd != "i" or np.can_cast(src, dst, casting="safe"):

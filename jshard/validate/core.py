@@ -3,9 +3,11 @@
 For a primitive, each sample equation (params and concrete inputs, from ``samples``) is run once on one
 device: that is the truth. Then, on meshes of 2, 3 and 4 devices, every combination of input placements
 (``R``, ``S(d)``, ``P(sum|avg|max|min)``) is built from unequal parts (shards padded with NaN or a
-sentinel, Partials split into unequal pieces, max/min with a random winner per element), the equation's
-per-device function (``jshard.engine.local_equation``) runs on every device, and every output
-placement is tested against the truth:
+sentinel, Partials split into unequal pieces, integer ones often anywhere in the dtype's range, max/min with
+a random winner per element), the equation's per-device function (``jshard.engine.local_equation``) runs on
+every device, and every output placement is tested against the truth (an integer sum is exact, then wrapped
+into the dtype; an integer average is ``floor`` of the exact sum over the axis size, as ``jshard.planner``
+defines it):
 
 - **correct**: the rules offer it and it holds;
 - **incorrect**: the rules offer it and it does not hold on some sample (a wrong number in waiting);
@@ -179,19 +181,22 @@ def _garbage(dtype):
 
 def _parts(value: np.ndarray, p: Placement, n: int, rng) -> list[np.ndarray]:
     """Unequal per-device parts reducing to ``value`` under ``p``. Float parts carry arbitrary fractions
-    (floor, rounding, ... of parts do not add up by accident) and losers of max/min are sometimes -inf/inf
-    (a map that is not order-preserving at infinity shows)."""
+    (floor, rounding, ... of parts do not add up by accident), integer ones are often anywhere in the dtype's
+    range (a widening cast of a sum that wraps, or a cast to float that rounds the parts, shows), and losers of
+    max/min are sometimes -inf/inf (a map that is not order-preserving at infinity shows)."""
     if not p.is_partial:
         return [value] * n
     dt = value.dtype
+    if p.op == "avg" and _k(dt) in "iu":
+        return _mean_parts(value, n, rng)
     if p.op in ("sum", "avg"):
         d = rng.integers(-4, 5, size=(n - 1,) + value.shape)
         if _k(dt) == "f":
             d = d + rng.random(d.shape)
         d = d.astype(dt)
-        total = value if p.op == "sum" else (value * n).astype(dt)
-        if p.op == "avg" and _k(dt) in "iu":  # an integer mean rounds down: parts need not divide evenly
-            total = (total + rng.integers(0, n, size=value.shape)).astype(dt)
+        if _k(dt) in "iu":  # half the parts anywhere in range: sums of them wrap, and a cast to float rounds them
+            d = np.where(rng.random(d.shape) < 0.5, d, _anywhere(dt, d.shape, rng))
+        total = value if p.op == "sum" else value * n  # an integer sum may wrap: it is defined modulo 2**bits
         return [(total - d.sum(0)).astype(dt)] + list(d)
     winner = rng.integers(0, n, size=value.shape)
     sign = -1 if p.op == "max" else 1
@@ -203,6 +208,38 @@ def _parts(value: np.ndarray, p: Placement, n: int, rng) -> list[np.ndarray]:
         info = np.iinfo(dt)
         losers = np.clip(value.astype(np.int64) + sign * step, info.min, info.max)
     return [np.where(winner == c, value, losers[c].astype(dt)) for c in range(n)]
+
+
+def _mean_parts(value: np.ndarray, n: int, rng) -> list[np.ndarray]:
+    """Unequal integer parts, each in the dtype's range, whose exact sum is ``n * value`` plus a remainder
+    below ``n`` (an integer average is ``floor(sum / n)``, so the parts need not divide evenly), computed in
+    Python ints: a value near the dtype's bounds is averaged from parts near them, never from parts that
+    wrapped."""
+    info = np.iinfo(value.dtype)
+    lo, hi = int(info.min), int(info.max)
+    v = value.astype(object).reshape(-1)  # 1-d: numpy hands 0-d object results back as (too narrow) scalars
+    total = v * n + np.minimum(rng.integers(0, n, size=v.shape).astype(object), (hi - v) * n)
+    near = np.minimum(np.maximum(v + rng.integers(-4, 5, size=(n - 1, v.size)).astype(object), lo), hi)
+    # half the parts anywhere in range: a cast that wraps some of them shows
+    others = list(np.where(rng.random(near.shape) < 0.5, near, _anywhere(value.dtype, near.shape, rng).astype(object)))
+    first = total - sum(others, np.zeros(v.shape, object))
+    for c in range(n - 1):  # what the first part cannot hold goes to the others (the total fits n parts)
+        shift = (np.minimum(np.maximum(first - hi, 0), hi - others[c])
+                 - np.minimum(np.maximum(lo - first, 0), others[c] - lo))
+        others[c], first = others[c] + shift, first - shift
+    return [part.astype(value.dtype).reshape(value.shape) for part in [first, *others]]
+
+
+def _anywhere(dtype, shape, rng) -> np.ndarray:
+    """Integers of ``dtype`` drawn from its whole range."""
+    info = np.iinfo(dtype)
+    return rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True)
+
+
+def _wrapped(total: np.ndarray, dtype) -> np.ndarray:
+    """Exact integers (Python ints) into ``dtype`` modulo ``2**bits``, as the device's integer sums wrap."""
+    info = np.iinfo(dtype)  # np.asarray: a 0-d sum is a Python int
+    return np.asarray((total - int(info.min)) % (1 << info.bits) + int(info.min), dtype=object).astype(dtype)
 
 
 def _blocks(value: np.ndarray, spec: Spec, rng) -> np.ndarray:
@@ -255,13 +292,17 @@ def _holds(local: np.ndarray, spec: Spec, truth: np.ndarray) -> bool:
     for c in range(n):
         idx = spec.global_indices((c,))
         views.append(local[(c,) + tuple(slice(0, len(i)) for i in idx)])
+    if p.is_partial and p.op in ("sum", "avg") and _k(truth.dtype) in "iu":
+        # exact, then wrapped like the device's sum: an integer average is floor(exact sum / n)
+        total = np.stack(views).astype(object).sum(0)
+        return _close(_wrapped(total // n if p.op == "avg" else total, truth.dtype), truth)
     if p.is_partial:
         wide = {"f": np.float64, "c": np.complex128}.get(_k(truth.dtype), truth.dtype)
         stack = np.stack(views).astype(wide)
         if p.op == "sum":
             red = stack.sum(0)
         elif p.op == "avg":
-            red = stack.sum(0) / n if _k(truth.dtype) in "fc" else stack.sum(0) // n
+            red = stack.sum(0) / n
         else:
             red = stack.max(0) if p.op == "max" else stack.min(0)
         finite = np.abs(stack[np.isfinite(stack)]) if _k(truth.dtype) in "fc" else np.zeros(0)
