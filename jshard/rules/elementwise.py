@@ -95,7 +95,7 @@ NON_DECREASING = ("exp", "exp2", "expm1", "tanh", "logistic", "sinh", "asinh", "
 # non-increasing on their whole domain: max and min swap
 NON_INCREASING = ("erfc",)
 # non-decreasing, but defined only on [a, inf): P(min) alone passes (see algebra.monotone)
-DOMAIN_LIMITED = ("log", "log2", "log1p", "sqrt", "acosh")  # log2: its own primitive since jax 0.12
+DOMAIN_LIMITED = ("log", "log2", "log1p", "sqrt", "acosh")  # log2: its own primitive since jax 0.11.2
 # non-increasing on (0, inf), defined only there: P(min) in, P(max) out
 DOMAIN_LIMITED_DECREASING = ("rsqrt",)
 # ~x = -x - 1 on integers: order-reversing; on bools no algebra
@@ -105,7 +105,7 @@ INTEGER_POW = ("integer_pow",)
 # neither linear nor monotone: shards only
 UNARY_PLAIN = ("abs", "square", "sin", "cos", "tan", "asin", "acos", "atanh", "cosh", "lgamma", "digamma",
                "erf_inv", "is_finite", "population_count", "clz", "bessel_i0e", "bessel_i1e",
-               "one_minus_square")  # 1 - x**2: tanh's derivative, emitted by jax.grad since jax 0.11
+               "one_minus_square")  # 1 - x**2: tanh's derivative, emitted by jax.grad since jax 0.11.2
 
 
 def _integer_pow(ins, outs, params) -> list[tuple]:
