@@ -311,7 +311,7 @@ class _Mean:
     that the dtype could not hold the sum of."""
 
     def __init__(self, n: int, dtype):
-        self.n, self.dtype, self.carrier = n, np.dtype(dtype), mean_carrier(dtype) if n != 1 else None
+        self.n, self.dtype, self.carrier = n, dtype, mean_carrier(dtype) if n != 1 else None
 
     def split(self, x):
         if self.carrier is None:
