@@ -28,7 +28,7 @@ True
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,11 +37,14 @@ from flax import nnx
 
 from ..api import constrain, jit, same_as
 from ..arguments import is_darray
+from ..caches import Cache
 from ..cost import CostModel
 from ..darray import DArray
+from ..engine import Program
 from ..explanation import Explanation
 from ..placements import Replicate
 from ..planner import check_cost_model
+from ..spec import Spec
 from .parallelize import holds_darray, kind_of, placements_of
 
 __all__ = ["TrainStep", "init_optimizer"]
@@ -66,6 +69,11 @@ class TrainStep:
     Call it with a batch (DArrays, arrays) to take a step; it returns the loss (a replicated DArray).
     ``.model`` is the model with the current parameters, ``.explain(*batch)`` the plan of a step.
     ``cost_model`` prices the step's plan, as in ``jshard.jit``.
+
+    From one step to the next the state stays as the program left it, its output blocks, which the next step
+    takes as they are: a step costs one dispatch, with no Python per parameter. ``.params``, ``.opt_state``,
+    ``.rest``, ``.state`` and ``.model`` build their trees when read; a step after a read takes the trees again,
+    so a change made to them in place counts.
     """
 
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, loss_fn: Callable, *,
@@ -81,15 +89,20 @@ class TrainStep:
             raise TypeError(f"TrainStep: donate must be True or False, got {donate!r}")
         if cost_model is not None:
             check_cost_model(cost_model, "TrainStep")
-        self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
-        if not holds_darray(self.params):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        self.graphdef = graphdef
+        if not holds_darray(params):
             raise ValueError(f"TrainStep: the parameters of {type(model).__name__} are not DArrays: the model was not "
                              "parallelized; call jshard.parallel.parallelize(model, mesh, plan) first")
-        self.opt_state = init_optimizer(tx, self.params)
-        graphdef = self.graphdef
+        # the carried state: (params, opt_state, rest) as trees, and (tree, blocks) as the last step left it while
+        # no one has read the trees since (one of them may be None); see __call__
+        self._state: tuple | None = (params, init_optimizer(tx, params), rest)
+        self._flat: tuple | None = None
+        # under key 0, the _Hot of the last step: forgotten by jshard.clear_caches(), as the step's programs are
+        self._hot = Cache(1)
         # gradients land on their parameters' placements at once (one all-reduce per replicated parameter, one
         # reduce-scatter per sharded one), so the optimizer's elementwise update needs no communication
-        grad_placements = jax.tree.leaves(placements_of(self.params), is_leaf=lambda p: isinstance(p, tuple))
+        grad_placements = jax.tree.leaves(placements_of(params), is_leaf=lambda p: isinstance(p, tuple))
 
         def step(params, opt_state, rest, *batch):
             def loss_of(p):
@@ -106,13 +119,65 @@ class TrainStep:
             updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, rest, loss
 
-        mesh_rank = next(filter(is_darray, jax.tree.leaves(self.params, is_leaf=is_darray))).mesh.devices.ndim
+        mesh_rank = next(filter(is_darray, jax.tree.leaves(params, is_leaf=is_darray))).mesh.devices.ndim
         self._step = jit(step, out_placements=(same_as(0), same_as(1), None, (Replicate(),) * mesh_rank),
                          donate_argnums=(0, 1) if donate else (), cost_model=cost_model)
 
     def __call__(self, *batch) -> DArray:
-        self.params, self.opt_state, self.rest, loss = self._step(self.params, self.opt_state, self.rest, *batch)
+        # the steady state: the last step's output blocks go straight back in, as flat as the program takes them;
+        # nothing flattens the model's state or wraps it in DArrays and Variables again until someone reads it
+        hot, flat = self._hot.get(0), self._flat
+        if hot is not None and flat is not None:
+            leaves, tree = jax.tree.flatten(batch)
+            if tree == hot.batch_tree:
+                out = hot.program.run(flat[1] + leaves)
+                self._state, self._flat = None, (flat[0], out[:-1])
+                return DArray(out[-1], hot.loss_spec)
+        args = (*self._exposed(), *batch)
+        key = jax.tree.structure((args, {}))  # the call's key in the jshard.jit caches
+        *state, loss = self._step(*args)
+        self._state = tuple(state)
+        # the path above is this same call where the step's state comes out as it went in (placements, tree): the
+        # same program, by the same key
+        program = self._step._by_tree.get(key)
+        leaves, tree = jax.tree.flatten(self._state)
+        if program is not None and tree == jax.tree.structure(args[:3]):
+            self._hot.put(0, _Hot(program, jax.tree.structure(batch), program.out_specs[-1]))
+            self._flat = (tree, leaves)
         return loss
+
+    def _exposed(self) -> tuple:
+        """The carried state as trees, built from the blocks if need be. Whoever gets them may change them in place
+        (a Variable's value), so the next step reads them again rather than the blocks."""
+        if self._state is None:
+            self._state = jax.tree.unflatten(*self._flat)
+        self._flat = None
+        return self._state
+
+    @property
+    def params(self) -> Any:
+        return self._exposed()[0]
+
+    @params.setter
+    def params(self, params: Any) -> None:
+        self._state = (params, *self._exposed()[1:])
+
+    @property
+    def opt_state(self) -> Any:
+        return self._exposed()[1]
+
+    @opt_state.setter
+    def opt_state(self, opt_state: Any) -> None:
+        params, _, rest = self._exposed()
+        self._state = (params, opt_state, rest)
+
+    @property
+    def rest(self) -> Any:
+        return self._exposed()[2]
+
+    @rest.setter
+    def rest(self, rest: Any) -> None:
+        self._state = (*self._exposed()[:2], rest)
 
     @property
     def state(self) -> dict[str, Any]:
@@ -137,7 +202,7 @@ class TrainStep:
                 if is_darray(b) and (not is_darray(a) or a.spec != b.spec):
                     raise ValueError(f"TrainStep.state: a leaf of {name} is {a!r} where this step holds {b!r}; "
                                      "restore with like=step.state, which gives this step's placements")
-        self.params, self.opt_state, self.rest = state["params"], state["opt_state"], state["rest"]
+        self._state = (state["params"], state["opt_state"], state["rest"])
 
     @property
     def model(self) -> Any:
@@ -148,6 +213,15 @@ class TrainStep:
 
     def lower(self, *batch) -> Any:
         return self._step.lower(self.params, self.opt_state, self.rest, *batch)
+
+
+class _Hot(NamedTuple):
+    """A step whose state comes out as it went in: its program, the batch's tree (DArray specs included) and the
+    loss's spec."""
+
+    program: Program
+    batch_tree: Any
+    loss_spec: Spec
 
 
 def _check_tx(tx: Any, where: str) -> None:
