@@ -164,3 +164,139 @@ def test_mistakes_are_named():
     rngs = nnx.Rngs(0)  # made outside the constructor, which is traced: it cannot advance the count
     with pytest.raises(ValueError, match="state made outside it.*rngs=nnx.Rngs"):
         parallelize(lambda: nnx.Linear(4, 8, rngs=rngs), mesh)
+
+
+# Identical modules share one compiled initialiser (jshard.parallel.initialise): the constructor is traced once,
+# each parameter's slice is cut at its PRNG key, and parameters with equal slices and placements are made by one
+# program called once per member. The values stay those of the one program that computed every parameter before.
+
+def bits(a):
+    return plain(a).tobytes()
+
+
+def one_program(build, mesh, model):
+    """The parameters as the whole constructor computes them in one program, pinned where ``model`` has them:
+    how ``parallelize(build, ...)`` made them before its initialisers were shared."""
+    pins = [a.placements for a in leaves(nnx.state(model, nnx.Param))]
+    return jshard.jit(lambda: jax.tree.leaves(nnx.state(build(), nnx.Param)), out_placements=pins, mesh=mesh)()
+
+
+def assert_as_before(build, mesh, model, styles=None, default=()):
+    """``model`` (parallelized from ``build``) holds the bits the one program makes and the eager construction's
+    values, in the placements a built module gets."""
+    ours = leaves(nnx.state(model, nnx.Param))
+    built = parallelize(build(), mesh, styles, default=default)
+    assert [a.placements for a in ours] == [a.placements for a in leaves(nnx.state(built, nnx.Param))]
+    before, eager = one_program(build, mesh, model), jax.tree.leaves(nnx.state(build(), nnx.Param))
+    assert len(ours) == len(before) == len(eager)
+    for a, b, c in zip(ours, before, eager):
+        assert plain(a).dtype == plain(b).dtype and bits(a) == bits(b)
+        assert_within_ulps(plain(a), plain(c))
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """The number of outputs of every jshard.jit program compiled meanwhile, in order."""
+    outputs, compile_program = [], jshard.api.compile_program
+
+    def counting(*args, **kwargs):
+        program = compile_program(*args, **kwargs)
+        outputs.append(len(program.out_specs))
+        return program
+
+    monkeypatch.setattr(jshard.api, "compile_program", counting)
+    return outputs
+
+
+@pytest.mark.parametrize("style,mesh_shape", [("fsdp", (8,)), ("tp", (2, 4)), ("fsdp", (1, 8)), ("tp", (1, 8)),
+                                              ("fsdp", (1,))])
+def test_shared_initialisers_give_the_bits_of_the_one_program(style, mesh_shape):
+    mesh = make_mesh(mesh_shape)
+    styles, default = plan(style, dp=mesh.axis_names[0], tp=mesh.axis_names[-1])
+
+    def build():
+        return GPT(48, 16, 4, 3, 8, rngs=nnx.Rngs(3))
+
+    assert_as_before(build, mesh, parallelize(build, mesh, styles, default=default), styles, default)
+
+
+@pytest.mark.parametrize("style,mesh_shape", [("fsdp", (8,)), ("tp", (2, 4))])
+def test_identical_blocks_share_one_compiled_program(style, mesh_shape, compiled):
+    """A deeper GPT compiles the same programs: one per kind of parameter (and placements), called once per
+    block, and one for the parameters that occur once (embeddings, head)."""
+    mesh = make_mesh(mesh_shape)
+    styles, default = plan(style, dp=mesh.axis_names[0], tp=mesh.axis_names[-1])
+    programs = {}
+    for layers in (2, 4):
+        compiled.clear()
+        model = parallelize(lambda: GPT(48, 16, 4, layers, 8, rngs=nnx.Rngs(0)), mesh, styles, default=default)
+        programs[layers] = sorted(compiled)
+    assert programs[2] == programs[4], programs
+    assert sum(programs[4]) < len(leaves(nnx.state(model, nnx.Param))) / 4  # most parameters share a program
+
+
+def test_layers_that_differ_get_their_own_values(compiled):
+    """Slices that differ in a shape, an initialiser, a literal (a scale; -0.0 against 0.0) or the placements
+    are never made by one program; equal ones are."""
+    normal, constant = nnx.initializers.normal, nnx.initializers.constant
+
+    class Mixed(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List([
+                nnx.Linear(16, 32, rngs=rngs),
+                nnx.Linear(32, 32, rngs=rngs), nnx.Linear(32, 32, rngs=rngs),  # equal: one program
+                nnx.Linear(32, 32, kernel_init=normal(0.02), rngs=rngs),
+                nnx.Linear(32, 32, kernel_init=normal(0.02), bias_init=constant(-0.0), rngs=rngs),
+                nnx.Linear(32, 32, kernel_init=normal(0.03), rngs=rngs),
+                nnx.Linear(32, 32, kernel_init=normal(0.03), bias_init=constant(-0.0), rngs=rngs),
+                nnx.Linear(32, 32, rngs=rngs),  # as layers 1 and 2, but column parallel
+                nnx.Linear(32, 48, rngs=rngs), nnx.Linear(48, 16, rngs=rngs)])
+            self.ln = nnx.LayerNorm(16, rngs=rngs)
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = jax.nn.relu(layer(x))
+            return self.ln(x)
+
+    mesh = make_mesh((2, 4))
+
+    def build():
+        return Mixed(nnx.Rngs(1))
+
+    styles = {"layers/7": ColwiseParallel("tp")}
+    model = parallelize(build, mesh, styles, default=FullyShard("dp"))
+    # one program each for: the 32-wide zero biases, layer 1 and 2's kernels, the kernels drawn with scale 0.02,
+    # those with 0.03, the -0.0 biases, the 16-wide zero biases (layer 9's and the norm's); one for the rest
+    assert sorted(compiled) == [1] * 6 + [7], compiled
+    assert_as_before(build, mesh, model, styles, FullyShard("dp"))
+    assert np.signbit(plain(model.layers[4].bias.get_value())).all()
+    assert not np.signbit(plain(model.layers[3].bias.get_value())).any()
+    assert model.layers[7].kernel.get_value().placements != model.layers[1].kernel.get_value().placements
+    x = np.random.default_rng(0).normal(size=(4, 16)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(model(x).full()), np.asarray(build()(x)), rtol=1e-5, atol=1e-5)
+
+
+def test_parameters_whose_slices_cannot_be_shared(compiled):
+    """A weight made from another one (their slices share a large value), one whose key is made from a large
+    value, a constant, two parameters drawn from one key: each is computed as before, in one program for the
+    rest, while the repeated modules beside them still share theirs."""
+
+    class Odd(nnx.Module):
+        def __init__(self, rngs):
+            self.a, self.b, self.c = (nnx.Linear(64, 96, rngs=rngs) for _ in range(3))  # larger than SMALL
+            self.tied = nnx.Param(self.a.kernel.get_value().T * 2)
+            seed = jnp.ones((96, 96), jnp.int32).sum()
+            self.seeded = nnx.Param(jax.random.normal(jax.random.key(seed), (16, 8)))
+            self.fixed = nnx.Param(np.arange(16.0, dtype=np.float32))
+            key = rngs.params()
+            self.twice = nnx.Param(jax.random.normal(key, (8, 16)))
+            self.again = nnx.Param(jax.random.uniform(key, (8, 16)))
+
+    mesh = make_mesh((8,))
+
+    def build():
+        return Odd(nnx.Rngs(2))
+
+    model = parallelize(build, mesh, default=FullyShard("x"))
+    assert sorted(compiled) == [1, 1, 6], compiled  # a, b and c's biases; b and c's kernels; the rest
+    assert_as_before(build, mesh, model, default=FullyShard("x"))

@@ -49,6 +49,7 @@ from ..darray import DArray, distribute
 from ..jaxcompat import source_info_util
 from ..placements import Placement, Replicate
 from ..spec import Spec, format_mesh, shard_order
+from .initialise import initialise
 from .styles import ParallelStyle
 
 __all__ = ["parallelize", "placements_of"]
@@ -66,10 +67,12 @@ def parallelize(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh,
 
     **Large models: pass the constructor**, ``parallelize(lambda: GPT(cfg, rngs=nnx.Rngs(0)), mesh, plan)``. The
     module is first built abstractly (``nnx.eval_shape``: shapes only) to find every parameter's placements; then
-    the constructor runs once more as one ``jshard.jit`` program with the parameters' placements pinned, so each
-    device draws only its own blocks of each parameter (no device and no host ever holds a sharded parameter
-    whole) and the values are exactly those of the eager single-device construction. A built module is fine
-    for small models: its parameters are distributed from where they are.
+    the constructor is traced once more and its parameters computed by ``jshard.jit`` programs with their
+    placements pinned, identical modules sharing one program called with each module's keys (so the time to
+    compile does not grow with depth; ``jshard.parallel.initialise``). Each device draws only its own blocks of
+    each parameter (no device and no host ever holds a sharded parameter whole) and the values are exactly those
+    of the eager single-device construction. A built module is fine for small models: its parameters are
+    distributed from where they are.
 
     ``plan``: ``{module path pattern: style or [styles]}`` (every pattern matching a module applies to it, its
     styles on different mesh axes composing; two that give one module different styles on one mesh axis are
@@ -149,8 +152,8 @@ def parallelize(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh,
     if build is None:
         values = [distribute(full, mesh, placements) for _, full, placements in params]
     else:
-        values = _initialised(build, mesh, [tuple(p) for _, _, p in params])
-        nnx.update(model, _other_state(build))
+        values, other = initialise(build, mesh, [tuple(p) for _, _, p in params])
+        nnx.update(model, other)
     # every callable module holding parameters (the model itself among them) learns to run eagerly on DArrays
     holders = {owner[:i] for owner in owners for i in range(len(owner) + 1)}
     classes = {}
@@ -194,22 +197,6 @@ def _abstract(build: Callable[[], nnx.Module]) -> nnx.Module:
     if not isinstance(model, nnx.Module):
         raise TypeError(f"parallelize: the constructor returned {kind_of(model)}, not a Flax nnx.Module")
     return model
-
-
-def _param_values(module: nnx.Module) -> list:
-    return [v.get_value() for _, v in nnx.iter_graph(module) if isinstance(v, nnx.Param)]
-
-
-def _initialised(build: Callable[[], nnx.Module], mesh: Mesh, placements: list[tuple]) -> list[DArray]:
-    """The parameters ``build()`` makes, as DArrays with ``placements`` (in ``nnx.iter_graph`` order), computed
-    by one ``jshard.jit`` program: every device computes its own blocks."""
-    return jit(lambda: _param_values(build()), out_placements=placements, mesh=mesh)()
-
-
-def _other_state(build: Callable[[], nnx.Module]) -> nnx.State:
-    """The state ``build()`` makes besides parameters (RNG keys and counts, batch statistics): small, so held as
-    plain arrays, as an eager construction holds them (the parameters' computation is dead code here)."""
-    return jax.jit(lambda: nnx.state(build(), nnx.Not(nnx.Param)))()
 
 
 def placements_of(tree: Any) -> Any:
