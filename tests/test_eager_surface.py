@@ -6,28 +6,26 @@ Shard(0) (even, and 6 rows over 8 devices), Replicate, Partial(sum) or Partial(m
 """
 
 import itertools
-import math
 import re
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jshard
+from conftest import make_mesh, mesh_params
 from jshard import DArray, Partial, Replicate, Shard
 
-MESHES = {"8": ((8,), ("x",)), "2x4": ((2, 4), ("dp", "tp")), "1x8": ((1, 8), ("dp", "tp")), "1": ((1,), ("x",))}
 # name -> (placement on every mesh axis, rows): 6 rows over 8 devices leave trailing shards short or empty
 KINDS = {"S(0)": (Shard(0), 8), "R": (Replicate(), 8), "P(sum)": (Partial("sum"), 8), "P(max)": (Partial("max"), 8),
          "S(0) uneven": (Shard(0), 6)}
 RNG = np.random.default_rng(37)
 
 
-@pytest.fixture(scope="module", params=list(MESHES))
+# a 2-D mesh, a size-1 axis beside 8 devices and one device by default; the 1-D mesh of 8 under -m slow
+@pytest.fixture(scope="module", params=mesh_params(((2, 4), (1, 8), (1,), (8,)), default=((2, 4), (1, 8), (1,))))
 def mesh(request):
-    shape, names = MESHES[request.param]
-    return jax.make_mesh(shape, names, devices=jax.devices()[:math.prod(shape)])
+    return make_mesh(request.param)
 
 
 def on(mesh, value, kind: str) -> DArray:
@@ -154,7 +152,7 @@ def test_scalars_have_no_length_and_no_rows(mesh):
 
 
 def test_iteration_past_one_program_of_rows():
-    mesh = jax.make_mesh((8,), ("x",), devices=jax.devices()[:8])
+    mesh = make_mesh((8,))
     v = np.arange(150 * 2, dtype=np.int32).reshape(150, 2)  # 19 rows per device, the last one short
     x = jshard.distribute(v, mesh, [Shard(0)])
     assert len(x) == 150

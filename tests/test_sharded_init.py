@@ -208,8 +208,10 @@ def compiled(monkeypatch):
     return outputs
 
 
-@pytest.mark.parametrize("style,mesh_shape", [("fsdp", (8,)), ("tp", (2, 4)), ("fsdp", (1, 8)), ("tp", (1, 8)),
-                                              ("fsdp", (1,))])
+@pytest.mark.parametrize("style,mesh_shape", [("fsdp", (8,)), ("tp", (1, 8)),
+                                              pytest.param("tp", (2, 4), marks=pytest.mark.slow),
+                                              pytest.param("fsdp", (1, 8), marks=pytest.mark.slow),
+                                              pytest.param("fsdp", (1,), marks=pytest.mark.slow)])
 def test_shared_initialisers_give_the_bits_of_the_one_program(style, mesh_shape):
     mesh = make_mesh(mesh_shape)
     styles, default = plan(style, dp=mesh.axis_names[0], tp=mesh.axis_names[-1])

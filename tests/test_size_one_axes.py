@@ -147,7 +147,7 @@ def loss_fn(model, ids, labels):
 
 
 @pytest.mark.parametrize("mesh_shape,style", [
-    ((1,), "dp"), ((1, 8), "tp"), ((8, 1), "tp"),
+    ((1,), "dp"), ((1, 8), "tp"), pytest.param((8, 1), "tp", marks=pytest.mark.slow),
     pytest.param((1,), "fsdp", marks=pytest.mark.slow), pytest.param((1, 8), "sp", marks=pytest.mark.slow),
     pytest.param((1, 1), "tp", marks=pytest.mark.slow), pytest.param((1, 1), "sp", marks=pytest.mark.slow),
     pytest.param((2, 1, 4), "tp", marks=pytest.mark.slow),
