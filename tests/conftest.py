@@ -37,11 +37,6 @@ MESH_SHAPES = {(8,): ("x",), (2, 4): ("dp", "tp"), (4, 2): ("a", "b"), (2, 2, 2)
 DEFAULT_MESH_SHAPES = ((8,), (2, 4), (2, 2, 2), (1, 8), (8, 1), (1,))
 
 
-@pytest.fixture(scope="session", params=list(MESH_SHAPES), ids=lambda s: "x".join(map(str, s)))
-def mesh(request):
-    return make_mesh(request.param)
-
-
 def make_mesh(shape):
     """The matrix's mesh of ``shape`` on the first ``prod(shape)`` devices."""
     n = math.prod(shape)
@@ -53,3 +48,9 @@ def make_mesh(shape):
 def mesh_params(shapes=tuple(MESH_SHAPES), default=DEFAULT_MESH_SHAPES) -> list:
     """``shapes`` as pytest params with readable ids (``2x4``), those outside ``default`` marked slow."""
     return [pytest.param(s, id="x".join(map(str, s)), marks=() if s in default else pytest.mark.slow) for s in shapes]
+
+
+@pytest.fixture(scope="session", params=mesh_params())
+def mesh(request):
+    """Every mesh of the matrix: the default ones in the default suite, the others under ``-m slow``."""
+    return make_mesh(request.param)

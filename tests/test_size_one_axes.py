@@ -179,7 +179,7 @@ def test_checkpoints_saved_on_or_restored_onto_size_one_axes(tmp_path, saved_on,
     rng = np.random.default_rng(3)
     value = rng.normal(size=(6, 10)).astype(np.float32)
     src_mesh, dst_mesh = make_mesh(saved_on), make_mesh(restored_on)
-    placements = tuple([Partial(), Shard(1)][: len(saved_on)]) if len(saved_on) == 2 else (Shard(0),)
+    placements = (Partial(), Shard(1)) if len(saved_on) == 2 else (Shard(0),)
     x = jshard.from_local(local_blocks(value, saved_on, placements, rng), src_mesh, placements, shape=value.shape)
     jshard.checkpoint.save(tmp_path / "c", {"x": x})
     target = tuple(Shard(a % 2) for a in range(len(restored_on)))
