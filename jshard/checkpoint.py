@@ -1,11 +1,16 @@
 """Checkpoints of trees that hold DArrays, through Orbax: each device's block is written by the process that owns
 it, and a checkpoint restores into any placements on any mesh.
 
-A DArray is stored as its *global* array (true shape and dtype, Orbax's own zarr / OCDBT format): every device
-whose block is not a replica writes the rows it holds, never gathered. Restoring reads, for every block of the
-target layout this process holds, exactly the rows that block covers, so a checkpoint saved under DP2 x TP4
-restores under FSDP8, on a (4,) mesh or on one device, uneven and strided layouts included. The rest of the tree
-(``jax.Array``s, numpy arrays, scalars, PRNG keys, optax and NNX containers) goes through Orbax's own handlers.
+A DArray is stored as its *global* array (true shape and dtype, Orbax's own zarr / OCDBT format), never gathered.
+Where a ``NamedSharding`` expresses its layout (Replicate, and Shard or a StridedShard that is a shard order, on
+evenly divided dims), it goes through Orbax's own array handler as the ``jax.Array`` it converts to without a
+collective: the checkpoint is then a plain Orbax one, its sharding recorded, which JAX users restore with Orbax
+alone. Other layouts (uneven shards, other strided ones) go through a handler of jshard's: every device whose
+block is not a replica writes the rows it holds, in chunks that each lie in one block. Restoring reads, for every
+block of the target layout this process holds, exactly the rows that block covers (Orbax's handler where a
+``NamedSharding`` expresses the target, jshard's otherwise), so a checkpoint saved under DP2 x TP4 restores under
+FSDP8, on a (4,) mesh or on one device, uneven and strided layouts included. The rest of the tree (``jax.Array``s,
+numpy arrays, scalars, PRNG keys, optax and NNX containers) goes through Orbax's own handlers.
 
 ``Partial`` values are reduced on save (one all-reduce of the pending axes): the checkpoint holds the value, which
 is what any other layout needs. A ``Partial`` target is restored as ``distribute`` makes one (``sum``: the value
@@ -51,13 +56,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 from etils import epath
+from jax.sharding import NamedSharding
 from orbax.checkpoint import future as ocp_future
 from orbax.checkpoint import type_handlers as th
 
 from .caches import memo
-from .darray import DArray, local_blocks, on_devices, to_devices
+from .darray import DArray, from_jax, index_runs, local_blocks, on_devices, to_devices
 from .placements import Replicate
-from .spec import Spec, dtype_short
+from .spec import LayoutError, Spec, dtype_short
 
 __all__ = ["Handler", "Restore", "Save", "restore", "save"]
 
@@ -115,7 +121,8 @@ class Handler(ocp.AsyncCheckpointHandler):
     ``Checkpointer``, ``AsyncCheckpointer`` and ``CheckpointManager`` (also inside ``ocp.args.Composite``) use it.
 
     It flattens the tree itself (to a nested dict keyed by the tree's paths) and hands it to Orbax's
-    ``PyTreeCheckpointHandler`` with each DArray behind a leaf that ``_DArrayHandler`` writes and reads.
+    ``PyTreeCheckpointHandler`` with each DArray as a ``jax.Array`` where a ``NamedSharding`` expresses its layout,
+    else behind a leaf that ``_DArrayHandler`` writes and reads.
     """
 
     def __init__(self):
@@ -135,11 +142,13 @@ class Handler(ocp.AsyncCheckpointHandler):
         paths, leaves, treedef = _flatten(args.like, "like")
         _check_template(directory, saved, paths, leaves)
         item, restore_args = {}, {}
-        for path, leaf in zip(paths, leaves):
+        for path, leaf in zip(paths, leaves, strict=True):
+            leaf = _orbax_target(leaf, path)
             _insert(item, path, _template_value(leaf))
             _insert(restore_args, path, _restore_args(leaf))
         out = self._pytree.restore(directory, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
-        return jax.tree.unflatten(treedef, [_lookup(out, p) for p in paths])
+        restored = [_restored(_lookup(out, p), leaf) for p, leaf in zip(paths, leaves, strict=True)]
+        return jax.tree.unflatten(treedef, restored)
 
     def metadata(self, directory: epath.Path) -> Any:
         return self._pytree.metadata(directory)
@@ -183,6 +192,15 @@ def _check_restorable(path: epath.Path) -> None:
                          "written by jshard.checkpoint.save, or its save did not finish")
 
 
+def _check_not_keys(spec: Spec, what: str) -> None:
+    """PRNG keys go only through Orbax's array handler, which needs a ``NamedSharding``; jshard's handler writes
+    and reads host bytes, which key arrays have none of."""
+    if jax.dtypes.issubdtype(spec.dtype, jax.dtypes.prng_key):
+        raise ValueError(f"{what} is a key array laid out as {spec}, which no NamedSharding expresses, and keys "
+                         "are checkpointed only as jax.Arrays; use a layout of even Shards and Replicate for it "
+                         "(redistribute, or a Spec with such placements)")
+
+
 def _check_template(directory, saved: Any, paths: list[tuple[str, ...]], leaves: list[Any]) -> None:
     """Every leaf of ``like`` must name a saved value of the same shape and dtype, and cover them all."""
     flat = dict(_walk_saved(saved))
@@ -212,8 +230,6 @@ def _names(paths: list[tuple[str, ...]]) -> str:
 
 
 def _shape_dtype(leaf: Any) -> tuple[tuple[int, ...], np.dtype] | None:
-    if isinstance(leaf, (DArray, Spec)):
-        return tuple(leaf.shape), np.dtype(leaf.dtype)
     shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
     if shape is None or dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
         return None
@@ -267,12 +283,37 @@ def _to_stored(tree: Any) -> dict:
     for path, leaf in zip(paths, leaves):
         if isinstance(leaf, DArray):
             leaf._check_live(f"jshard.checkpoint.save of {'.'.join(path)}")
-            leaf = _Stored(leaf)
+            leaf = _reduced(leaf)
+            if _named_sharding(leaf.spec) is None:
+                _check_not_keys(leaf.spec, f"jshard.checkpoint.save: {'.'.join(path)}")
+                leaf = _Stored(leaf)
+            else:
+                leaf = leaf.to_jax()
         elif isinstance(leaf, jax.Array) and leaf.is_deleted():
             raise ValueError(f"jshard.checkpoint.save: {'.'.join(path)} ({leaf.dtype}{list(leaf.shape)}) has been "
                              "deleted (freed or donated); save the live value")
         _insert(out, path, leaf)
     return out
+
+
+def _reduced(x: DArray) -> DArray:
+    """``x`` with every pending reduction done (Partial -> Replicate): the checkpoint holds values."""
+    if not any(p.is_partial for p in x.placements):
+        return x
+    return x.redistribute([Replicate() if p.is_partial else p for p in x.placements])
+
+
+def _orbax_target(leaf: Any, path: tuple[str, ...]) -> Any:
+    """A leaf of like (at ``path``) as Orbax's array handler restores it: a DArray or Spec whose layout a
+    ``NamedSharding`` expresses as a ``jax.ShapeDtypeStruct`` with that sharding (``_restored`` wraps the array);
+    others as they are."""
+    if isinstance(leaf, (DArray, Spec)):
+        spec = leaf.spec if isinstance(leaf, DArray) else leaf
+        sharding = _named_sharding(spec)
+        if sharding is not None:
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+        _check_not_keys(spec, f"jshard.checkpoint.restore: like's {'.'.join(path)}")
+    return leaf
 
 
 def _template_value(leaf: Any) -> Any:
@@ -298,8 +339,29 @@ def _restore_args(leaf: Any) -> th.RestoreArgs:
     return th.RestoreArgs(restore_type=type(leaf))
 
 
+def _restored(value: Any, leaf: Any) -> Any:
+    """``value`` as Orbax restored it, as ``leaf`` of like asks: a DArray that Orbax read as a ``jax.Array``
+    (its layout a ``NamedSharding``) wrapped where it is."""
+    if isinstance(leaf, (DArray, Spec)) and isinstance(value, jax.Array):
+        return from_jax(value, leaf.mesh)
+    return value
+
+
+def _named_sharding(spec: Spec) -> NamedSharding | None:
+    """The ``NamedSharding`` of ``spec``'s layout where one expresses it (no Partial; even shards; strided only as a
+    shard order), else None. Such DArrays go through Orbax's own array handler, as the ``jax.Array``s they convert
+    to without a collective: the checkpoint is then a plain Orbax one that JAX users restore as they restore
+    theirs (the sharding recorded too)."""
+    if any(p.is_partial for p in spec.placements):
+        return None
+    try:
+        return spec.to_named_sharding(where="jshard.checkpoint")
+    except LayoutError:
+        return None
+
+
 # ---------------------------------------------------------------------------------------------------
-# the DArray type handler
+# the DArray type handler, for the layouts no NamedSharding expresses
 
 
 class _Stored:
@@ -329,7 +391,7 @@ class _DArrayHandler(th.TypeHandler):
                         args: Sequence[th.SaveArgs] | None = None) -> list[ocp_future.Future]:
         args = args or [th.SaveArgs()] * len(values)
         # devices -> host now, while the arrays are alive (the caller may donate them once save returns)
-        writes = [_host_parts(_reduced(v.x)) for v in values]
+        writes = [_host_parts(v.x) for v in values]
 
         async def write_all():
             await asyncio.gather(*[_write(spec, parts, info, arg)
@@ -346,13 +408,6 @@ class _DArrayHandler(th.TypeHandler):
 
 
 th.register_type_handler(_Stored, _DArrayHandler(), override=True)
-
-
-def _reduced(x: DArray) -> DArray:
-    """``x`` with every pending reduction done (Partial -> Replicate): the checkpoint holds values."""
-    if not any(p.is_partial for p in x.placements):
-        return x
-    return x.redistribute([Replicate() if p.is_partial else p for p in x.placements])
 
 
 def _host_parts(x: DArray) -> tuple[Spec, list[tuple[tuple[np.ndarray, ...], np.ndarray]]]:
@@ -403,21 +458,22 @@ def _write_grid(spec: Spec) -> tuple[int, ...]:
     cuts: list[set[int]] = [set() for _ in spec.shape]
     for _, part in _writers(spec).values():
         for d, idx in enumerate(part or ()):
-            for start, _, n in _runs(idx):
-                cuts[d].update((start, start + n))
+            for run in index_runs(idx):
+                cuts[d].update(run)
     return tuple(math.gcd(*(c for c in cut if 0 < c < n)) or max(n, 1) for cut, n in zip(cuts, spec.shape))
-
-
-def _runs(idx: np.ndarray) -> list[tuple[int, int, int]]:
-    """``(global start, local start, length)`` of each contiguous run of ``idx``."""
-    breaks = [0, *(np.flatnonzero(np.diff(idx) != 1) + 1).tolist(), len(idx)]
-    return [(int(idx[a]), a, b - a) for a, b in zip(breaks, breaks[1:]) if b > a]
 
 
 def _boxes(idx: tuple[np.ndarray, ...]):
     """(global box, local box) pairs of slices covering a block whose dims hold the indices ``idx``."""
-    for runs in itertools.product(*[_runs(i) for i in idx]):
-        yield tuple(slice(g, g + n) for g, _, n in runs), tuple(slice(at, at + n) for _, at, n in runs)
+    per_dim = []
+    for i in idx:
+        boxes, at = [], 0  # a run's place in the block: after the runs before it
+        for start, stop in index_runs(i):
+            boxes.append((slice(start, stop), slice(at, at + stop - start)))
+            at += stop - start
+        per_dim.append(boxes)
+    for boxes in itertools.product(*per_dim):
+        yield tuple(g for g, _ in boxes), tuple(local for _, local in boxes)
 
 
 async def _write(spec: Spec, parts, info: th.ParamInfo, arg: th.SaveArgs) -> None:

@@ -37,7 +37,8 @@ from .planner import check_cost_model, plan_redistribute
 from .spec import Spec, block_sharding, check_dtype, check_mesh, format_mesh
 
 __all__ = ["DArray", "DeletedArrayError", "adopt", "distribute", "from_jax", "from_local", "from_process_local",
-           "local_blocks", "on_devices", "process_rows", "same_devices", "to_devices"]
+           "index_runs", "local_blocks", "on_devices", "process_rows", "rows_start", "same_devices", "shape_from_rows",
+           "to_devices"]
 
 # equations are attributed to the user's line: jshard's own wrappers are not it
 source_info_util.register_exclusion(os.path.abspath(__file__))
@@ -362,9 +363,9 @@ def from_process_local(local_rows, mesh: Mesh, placements: Sequence[Placement], 
     mine = _my_coords(mesh, where)
     inferred = shape is None
     if inferred:
-        shape = _infer_process_shape(probe, mine, rows.shape, shown)
+        shape = shape_from_rows(probe, mine, rows.shape)
     spec = Spec.create(mesh, probe.placements, shape, rows.dtype, where=where)
-    start = _process_start(spec, mine, rows.shape, shown, inferred)
+    start = rows_start(spec, mine, rows.shape, inferred=inferred)
     return DArray(_host_blocks(spec, _reader(rows, start)), spec)
 
 
@@ -529,35 +530,63 @@ def _host_index(idx: Sequence[np.ndarray], start: Sequence[int]):
     return np.ix_(*[i - s for i, s in zip(idx, start)])
 
 
-def _infer_process_shape(spec: Spec, mine: list[tuple[int, ...]], local: tuple[int, ...], shown: str) -> tuple:
-    """Global shape from one process's local shape, assuming every process passes as many rows: a sharded dim
-    grows by the number of its shards over the number this process's devices hold."""
+def shape_from_rows(spec: Spec, coords: Sequence[tuple[int, ...]], rows_shape: Sequence[int]) -> tuple[int, ...]:
+    """The global shape when the devices at mesh coordinates ``coords`` (one process's) hold rows of ``rows_shape``
+    and every process passes as many rows: a sharded dim grows by the number of its shards over the number those
+    devices hold (``from_process_local`` without ``shape=``). ``spec.shape`` is not used.
+
+    >>> import jax, numpy as np; from jshard import Shard, Replicate
+    >>> spec = Spec.create(jax.make_mesh((2, 4), ("dp", "tp")), [Shard(0), Replicate()], (0, 0), np.float32)
+    >>> shape_from_rows(spec, [(1, t) for t in range(4)], (5, 6))  # the second dp row of devices: half the rows
+    (10, 6)
+    """
+    mine = [tuple(c) for c in coords]
     shape = []
-    for d, n in enumerate(local):
+    for d, n in enumerate(rows_shape):
         axes = [a for a, _ in spec.chain(d)]
         total = math.prod(spec.mesh_shape[a] for a in axes)
         held = len({tuple(c[a] for a in axes) for c in mine})
         if n * total % held:
             raise ValueError(f"from_process_local: this process's devices hold {held} of the {total} shards of dim {d} "
-                             f"under {shown}, so its {n} rows do not scale to a whole global size; pass shape=")
+                             f"under {_shown(spec)}, so its {n} rows do not scale to a whole global size; pass shape=")
         shape.append(n * total // held)
     return tuple(shape)
 
 
-def _process_start(spec: Spec, mine: list[tuple[int, ...]], local: tuple[int, ...], shown: str,
-                   inferred: bool) -> tuple[int, ...]:
-    """The global index where this process's rows start, per dim, after checking that ``local`` is the shape of
-    the range its devices (``mine``, mesh coordinates) hold."""
-    start, want = _process_span(spec, mine, shown, "from_process_local")
-    if tuple(want) != tuple(local):
+def rows_start(spec: Spec, coords: Sequence[tuple[int, ...]], rows_shape: Sequence[int], *,
+               inferred: bool = False) -> tuple[int, ...]:
+    """The global index per dim where the rows held by the devices at mesh coordinates ``coords`` (one process's)
+    start, after checking that ``rows_shape`` is the shape of the one range of indices they hold together: the
+    rows ``from_process_local`` takes. ``inferred`` says the global shape came from ``shape_from_rows`` (the error
+    then says so).
+
+    >>> import jax, numpy as np; from jshard import Shard
+    >>> spec = Spec.create(jax.make_mesh((2, 4), ("dp", "tp")), [Shard(0), Shard(0)], (10, 6), np.float32)
+    >>> rows_start(spec, [(0, 2), (0, 3), (1, 0)], (3, 6))  # rows 4:5, 5:5 and 5:7
+    (4, 0)
+    """
+    mine = [tuple(c) for c in coords]
+    start, want = _process_span(spec, mine, _shown(spec), "from_process_local")
+    if tuple(want) != tuple(rows_shape):
         how = " (inferred assuming every process passes as many rows; pass shape= otherwise)" if inferred else ""
-        rows = ", ".join(f"{s}:{s + n}" for s, n in zip(start, want))
+        rows = ", ".join(f"{s}:{s + n}" for s, n in zip(start, want, strict=True))
         raise ValueError(
-            f"from_process_local: local_rows has shape {tuple(local)}, but under {shown} with global shape "
-            f"{spec.shape}{how} process {jax.process_index()} holds [{rows}], of shape {tuple(want)}; pass "
+            f"from_process_local: local_rows has shape {tuple(rows_shape)}, but under {_shown(spec)} with global "
+            f"shape {spec.shape}{how} process {jax.process_index()} holds [{rows}], of shape {tuple(want)}; pass "
             "exactly those rows (jshard.process_rows(mesh, placements, shape) gives them)"
         )
     return start
+
+
+def index_runs(idx: np.ndarray) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each run of consecutive integers in ``idx``, in order: the global indices a device
+    holds along one dim (``Spec.global_indices``) as ranges. One run for a Shard, several for a StridedShard.
+
+    >>> index_runs(np.array([0, 1, 2, 8, 9, 10, 4]))
+    [(0, 3), (8, 11), (4, 5)]
+    """
+    breaks = [0, *(np.flatnonzero(np.diff(idx) != 1) + 1).tolist(), len(idx)]
+    return [(int(idx[a]), int(idx[b - 1]) + 1) for a, b in zip(breaks, breaks[1:]) if b > a]
 
 
 def _process_span(spec: Spec, mine: list[tuple[int, ...]], shown: str, where: str) -> tuple[tuple, tuple]:
@@ -567,9 +596,10 @@ def _process_span(spec: Spec, mine: list[tuple[int, ...]], shown: str, where: st
     for d in range(spec.rank):
         held = np.unique(np.concatenate([spec.global_indices(c)[d] for c in mine]))
         if len(held) and held[-1] - held[0] + 1 != len(held):
+            ranges = ", ".join(f"{a}:{b}" for a, b in index_runs(held))
             raise ValueError(
                 f"{where}: under {shown}, the devices of process {jax.process_index()} hold indices "
-                f"{_ranges(held)} of dim {d} of {spec.shape}, not one contiguous range, so no rows of one local array "
+                f"{ranges} of dim {d} of {spec.shape}, not one contiguous range, so no rows of one local array "
                 "match them; use from_local (each device's part) or distribute, or a placement whose shards of a "
                 "process are adjacent (Shard instead of StridedShard)"
             )
@@ -588,10 +618,8 @@ def _my_coords(mesh: Mesh, where: str) -> list[tuple[int, ...]]:
     return mine
 
 
-def _ranges(idx: np.ndarray) -> str:
-    """``0:2, 4:6``: sorted indices as runs."""
-    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
-    return ", ".join(f"{int(r[0])}:{int(r[-1]) + 1}" for r in np.split(idx, breaks))
+def _shown(spec: Spec) -> str:
+    return f"{format_mesh(spec.mesh)} with {format_placements(spec.placements)}"
 
 
 def _check_array_live(a, where: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .darray import DArray
+from .darray import DArray, index_runs
 from .spec import Spec
 
 __all__ = ["visualize"]
@@ -15,18 +15,6 @@ class _Text(str):
 
     def __repr__(self) -> str:
         return str(self)
-
-
-def _ranges(idx: np.ndarray) -> str:
-    """``0:3 8:11`` for the indices 0,1,2,8,9,10; ``-`` for none."""
-    if idx.size == 0:
-        return "-"
-    runs, start = [], 0
-    for i in range(1, idx.size + 1):
-        if i == idx.size or idx[i] != idx[i - 1] + 1:
-            runs.append(f"{idx[start]}:{idx[i - 1] + 1}")
-            start = i
-    return " ".join(runs)
 
 
 def visualize(x) -> str:
@@ -55,10 +43,15 @@ def visualize(x) -> str:
     for coords in np.ndindex(*spec.mesh_shape):
         device = spec.mesh.devices[coords]
         rows.append([str(device.id), *map(str, coords), str(spec.local_shape(coords)),
-                     *(_ranges(i) for i in spec.global_indices(coords))])
+                     *map(_ranges, spec.global_indices(coords))])
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
     line = lambda r: "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip()
     text = [str(spec), line(header), line(["-" * w for w in widths]), *map(line, rows)]
     if partial:
         text.append(f"pending reduction: {partial} (each device holds a part)")
     return _Text("\n".join(text))
+
+
+def _ranges(idx: np.ndarray) -> str:
+    """``0:3 8:11`` for the indices 0,1,2,8,9,10; ``-`` for none."""
+    return " ".join(f"{a}:{b}" for a, b in index_runs(idx)) or "-"

@@ -480,6 +480,24 @@ def check_checkpoint_restore(saved_key: str, target_key: str) -> None:
                        f"checkpoint {saved_key} -> {target_key}: {name}")
 
 
+def check_checkpoint_read_by_orbax(saved_key: str) -> None:
+    """A JAX user's Orbax restore of a jshard checkpoint (``StandardCheckpointer``, NamedSharding targets whose
+    columns cross the processes): every shard this process holds is the value's (numpy oracle). The checkpoint
+    mixes layouts Orbax's own handler wrote (a NamedSharding expressed them) with jshard's uneven ones."""
+    import orbax.checkpoint as ocp
+
+    mesh = MESHES["2x4"]
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "dp"))
+    target = {name: jax.ShapeDtypeStruct(VALUE.shape, VALUE.dtype, sharding=sharding) for name in SAVED}
+    with ocp.StandardCheckpointer() as checkpointer:
+        back = checkpointer.restore(os.path.join(CKPT, saved_key), {**target, "step": 0})
+    assert back["step"] == 7, back["step"]
+    for name in SAVED:
+        assert back[name].sharding == sharding, back[name].sharding
+        for shard in back[name].addressable_shards:
+            assert np.array_equal(np.asarray(shard.data), VALUE[shard.index]), f"orbax {saved_key}: {name}"
+
+
 def check_checkpoint_on_local_devices() -> None:
     """Every process restores the whole checkpoint onto a mesh of its own 4 devices (a (4,) mesh)."""
     mesh = Mesh(np.array(jax.local_devices()), ("x",))
@@ -544,6 +562,8 @@ def main() -> None:
         check(f"checkpoint/save_{key}", check_checkpoint_save, key)
     for saved_key, target_key in [("2x4", "4x2"), ("4x2", "8"), ("8", "2x4"), ("2x4", "2x4")]:
         check(f"checkpoint/{saved_key}->{target_key}", check_checkpoint_restore, saved_key, target_key)
+    for saved_key in MESHES:
+        check(f"checkpoint/{saved_key}->orbax", check_checkpoint_read_by_orbax, saved_key)
     check("checkpoint/local_devices", check_checkpoint_on_local_devices)
     check("checkpoint/gpt_resume", check_gpt_resume)
     RESULTS["seconds"]["total"] = round(time.perf_counter() - t0, 3)

@@ -1,6 +1,7 @@
 """Checkpoints (``jshard.checkpoint``): every layout saves, restores into every target layout and mesh with each
 device's block equal to what ``distribute`` of the saved value gives (bit for bit), through Orbax's managers too;
-training resumes with the uninterrupted run's losses; bad input is refused and never damages a checkpoint."""
+a layout a ``NamedSharding`` expresses is a plain Orbax array that JAX users restore with Orbax alone; training
+resumes with the uninterrupted run's losses; bad input is refused and never damages a checkpoint."""
 
 import itertools
 
@@ -14,8 +15,7 @@ from flax import nnx
 
 import jshard
 from conftest import make_mesh
-from jshard import DArray, Partial, Replicate, Shard, Spec, StridedShard
-from jshard.checkpoint import _write_grid, _writers
+from jshard import DArray, LayoutError, Partial, Replicate, Shard, Spec, StridedShard
 from jshard.gpt import GPT, cross_entropy, plan
 from jshard.parallel import ColwiseParallel, FullyShard, TrainStep, parallelize
 
@@ -116,7 +116,9 @@ def test_a_mixed_tree_round_trips(tmp_path):
     x = jshard.distribute(value_of((8, 4)), mesh, [Shard(0), Shard(1)])
     plain = jax.device_put(value_of((8, 4), 1), jax.sharding.NamedSharding(mesh, jax.P("tp", None)))
     key = jax.random.key(7)
-    tree = {"x": x, "plain": plain, "np": np.arange(5), "step": 3, "lr": 0.5, "key": key, "nested": [x, (x,)]}
+    keys = jshard.distribute(jax.random.split(key, 8), mesh, [Shard(0), R])  # Orbax saves keys; a NamedSharding
+    tree = {"x": x, "plain": plain, "np": np.arange(5), "step": 3, "lr": 0.5, "key": key, "nested": [x, (x,)],
+            "keys": keys}
     jshard.checkpoint.save(tmp_path / "c", tree)
     back = jshard.checkpoint.restore(tmp_path / "c", like=tree)
     assert jax.tree.structure(back, is_leaf=lambda a: isinstance(a, DArray)) == \
@@ -128,6 +130,9 @@ def test_a_mixed_tree_round_trips(tmp_path):
     np.testing.assert_array_equal(back["np"], np.arange(5))
     assert back["step"] == 3 and back["lr"] == 0.5
     np.testing.assert_array_equal(jax.random.key_data(back["key"]), jax.random.key_data(key))
+    assert back["keys"].spec == keys.spec
+    for got, want in zip(back["keys"].to_local(), keys.to_local(), strict=True):
+        np.testing.assert_array_equal(jax.random.key_data(got), jax.random.key_data(want))
 
 
 def test_orbax_arrays_and_darrays_read_each_other(tmp_path):
@@ -144,9 +149,10 @@ def test_orbax_arrays_and_darrays_read_each_other(tmp_path):
     sharding = jax.sharding.NamedSharding(mesh, jax.P(("dp", "tp")))
     with ocp.StandardCheckpointer() as c:
         c.save(tmp_path / "j", {"w": jax.device_put(value, sharding)})
-    uneven = Spec.create(mesh, [Shard(0), Shard(0)], (8, 6), np.float32)
-    back = jshard.checkpoint.restore(tmp_path / "j", like={"w": uneven})
-    assert_blocks_equal(back["w"], jshard.distribute(value, mesh, uneven.placements))
+    for placements in ([Shard(0), Shard(0)], [Shard(1), Shard(0)]):  # uneven; a NamedSharding's (Orbax reads it)
+        target = Spec.create(mesh, placements, (8, 6), np.float32)
+        back = jshard.checkpoint.restore(tmp_path / "j", like={"w": target})
+        assert_blocks_equal(back["w"], jshard.distribute(value, mesh, placements))
 
 
 def test_checkpoint_manager_keeps_the_last_n_and_saves_asynchronously(tmp_path):
@@ -181,21 +187,73 @@ def test_composite_args_hold_a_darray_tree_next_to_json(tmp_path):
     assert_blocks_equal(back.state["x"], x)
 
 
+def stored_metadata(path) -> dict:
+    """Orbax's metadata of every saved value (shape, dtype, sharding, chunks), keyed by name."""
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        return handler.metadata(path).tree
+    finally:
+        handler.close()
+
+
+def named_sharding(spec: Spec):
+    """The NamedSharding of ``spec``'s value (Partial axes reduced to Replicate, as saved), or None where JAX has
+    none: the layouts that Orbax's own array handler writes."""
+    try:
+        return spec.with_placements([R if p.is_partial else p for p in spec.placements]).to_named_sharding()
+    except LayoutError:
+        return None
+
+
+def test_the_layouts_a_named_sharding_expresses_are_plain_orbax_arrays(saved):
+    """Orbax alone (no jshard args) restores them with the NamedSharding they were saved under; the others have no
+    sharding recorded, and JAX users read every one of them given a target sharding."""
+    path, tree, values = saved
+    metadata = stored_metadata(path)
+    plain = {name for name, x in tree.items() if named_sharding(x.spec) is not None}
+    assert plain == {"even", "strided", "replicated", "partial-max", "partial-avg"}
+    assert {name for name, m in metadata.items() if m.sharding is not None} == plain
+    with ocp.StandardCheckpointer() as checkpointer:
+        back = checkpointer.restore(path)
+    for name in plain:
+        assert back[name].sharding == named_sharding(tree[name].spec), name
+        np.testing.assert_array_equal(back[name], values[name])
+
+
+def orbax_target(mesh, x, axes):
+    """A ShapeDtypeStruct of ``x``'s shape on ``mesh``: dim ``d`` cut over the mesh axis ``axes[d]`` where it
+    divides evenly (JAX needs that), else whole."""
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+    spec = [a if a is not None and n % sizes[a] == 0 else None for n, a in zip(x.shape, axes, strict=True)]
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.NamedSharding(mesh, jax.P(*spec)))
+
+
+@pytest.mark.parametrize("mesh_shape,axes", [((8,), ("x", None)), ((2, 4), ("tp", "dp")), ((1, 8), ("dp", "tp")),
+                                             ((1,), ("x", None))], ids=["8", "2x4", "1x8", "1-device"])
+def test_orbax_restores_every_layout_into_named_shardings(saved, mesh_shape, axes):
+    """A JAX user's Orbax restore (``StandardCheckpointer`` with a target) reads every saved layout."""
+    path, tree, values = saved
+    mesh = make_mesh(mesh_shape)
+    target = {name: orbax_target(mesh, x, axes) for name, x in tree.items()}
+    with ocp.StandardCheckpointer() as checkpointer:
+        back = checkpointer.restore(path, target)
+    for name, x in back.items():
+        assert x.sharding == target[name].sharding
+        np.testing.assert_array_equal(x, values[name])
+
+
 @pytest.mark.parametrize("name,shape,placements", SOURCES, ids=[s[0] for s in SOURCES])
-def test_each_chunk_has_one_writer(name, shape, placements):
-    """Every element is written once (a block's replicas each write a piece of it), and no zarr chunk is touched
-    by two writers: processes never write parts of the same chunk."""
-    spec = Spec.create(make_mesh((2, 4)), [R if p.is_partial else p for p in placements], shape, np.float32)
-    grid = _write_grid(spec)
-    written = np.zeros(shape, np.int64)
-    chunk_owner = {}
-    for coords, (_, part) in _writers(spec).items():
-        if part is None:
-            continue
-        written[np.ix_(*part)] += 1
-        for chunk in itertools.product(*[sorted({int(i) // g for i in idx}) for idx, g in zip(part, grid)]):
-            assert chunk_owner.setdefault(chunk, coords) == coords, (chunk, coords, chunk_owner[chunk])
-    assert (written == 1).all()
+def test_each_chunk_lies_in_one_block(tmp_path, name, shape, placements):
+    """The stored array's chunks never straddle two devices' blocks, so no chunk has writers on two processes
+    (one's rows would be lost: the multi-process test saves such layouts across processes)."""
+    x, _ = source(shape, placements)
+    jshard.checkpoint.save(tmp_path / "c", {"x": x})
+    chunk = stored_metadata(tmp_path / "c")["x"].storage.chunk_shape
+    spec = x.spec.with_placements([R if p.is_partial else p for p in placements])
+    for corner in itertools.product(*[range(0, n, c) for n, c in zip(shape, chunk, strict=True)]):
+        box = [np.arange(a, min(a + c, n)) for a, c, n in zip(corner, chunk, shape, strict=True)]
+        assert any(all(np.isin(b, held).all() for b, held in zip(box, spec.global_indices(coords), strict=True))
+                   for coords in np.ndindex(*spec.mesh_shape)), (name, chunk, corner)
 
 
 # -- training resumes ------------------------------------------------------------------------------
@@ -308,6 +366,19 @@ def test_a_failed_save_leaves_the_checkpoints_as_they_were(small, tmp_path):
             manager.save(2, args=jshard.checkpoint.Save({"w": gone}))
         assert manager.all_steps() == [1]
         assert_blocks_equal(manager.restore(1, args=jshard.checkpoint.Restore({"w": x}))["w"], x)
+
+
+def test_keys_in_a_layout_no_named_sharding_expresses_are_refused(tmp_path):
+    mesh = make_mesh((2, 4))
+    keys = jax.random.split(jax.random.key(0), 10)
+    uneven = jshard.distribute(keys, mesh, [Shard(0), Shard(0)])
+    with pytest.raises(ValueError, match=r"^jshard.checkpoint.save: k is a key array laid out as "
+                                         r"key<fry>\[10\] \(S\(0\), S\(0\)\).*even Shards and Replicate"):
+        jshard.checkpoint.save(tmp_path / "bad", {"k": uneven})
+    jshard.checkpoint.save(tmp_path / "ok", {"k": jshard.distribute(keys, mesh, [Shard(0), R])})
+    with pytest.raises(ValueError, match=r"^jshard.checkpoint.restore: like's k is a key array laid out as "
+                                         r"key<fry>\[10\] \(S\(0\), S\(0\)\)"):
+        jshard.checkpoint.restore(tmp_path / "ok", like={"k": uneven.spec})
 
 
 def test_restore_without_a_template_says_what_to_pass(small):

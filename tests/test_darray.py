@@ -7,6 +7,7 @@ import pytest
 import jshard
 from conftest import make_mesh
 from jshard import DArray, LayoutError, Partial, PlacementError, Replicate, Shard, StridedShard
+from jshard.darray import index_runs
 from oracle import check_darray, local_blocks
 
 RNG = np.random.default_rng(0)
@@ -155,6 +156,20 @@ def test_visualize_strided_ranges():
     mesh = jax.make_mesh((2,), ("a",), devices=jax.devices()[:2])
     x = jshard.distribute(np.zeros(8, np.float32), mesh, [StridedShard(0, 2)])
     assert jshard.visualize(x).splitlines()[3].split()[-2:] == ["0:2", "4:6"]
+
+
+def test_visualize_shows_an_empty_shard_as_a_dash():
+    x = jshard.distribute(np.zeros(3, np.float32), make_mesh((8,)), [Shard(0)])  # 3 rows on 8: five hold none
+    assert [line.split()[-1] for line in jshard.visualize(x).splitlines()[3:]] == ["0:1", "1:2", "2:3"] + ["-"] * 5
+
+
+@pytest.mark.parametrize("idx", [[], [4], [0, 1, 2, 8, 9, 10], [3, 1, 2], [5, 6, 0, 1], list(range(7))])
+def test_index_runs_are_the_maximal_runs_of_consecutive_indices(idx):
+    idx = np.array(idx, np.int64)
+    runs = index_runs(idx)
+    assert np.array_equal(np.concatenate([np.arange(a, b) for a, b in runs] + [np.zeros(0, np.int64)]), idx)
+    assert all(b > a for a, b in runs)
+    assert all(b != c for (_, b), (c, _) in zip(runs, runs[1:]))  # no two runs that join up
 
 
 @pytest.mark.parametrize("bad, words", [

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import jshard
 from conftest import make_mesh
 from jshard import DArray, Partial, PlacementError, Replicate, Shard, StridedShard
-from jshard.darray import _infer_process_shape, _process_start
+from jshard.darray import rows_start, shape_from_rows
 from jshard.lowering import compile_plan
 from jshard.placements import format_placements
 from jshard.planner import plan_redistribute
@@ -330,28 +330,45 @@ def test_from_process_local_other_bad_inputs():
         jshard.from_process_local(jax.random.split(jax.random.key(0), 8), make_mesh((8,)), [Shard(0)])
 
 
-# A second process cannot be started here: the helpers below are given the mesh coordinates such a process's
-# devices would have (the first half of the mesh) and must find its rows, or refuse.
+# A second process cannot be started here: the rows of a process are asked of the public helpers that
+# from_process_local uses, given the mesh coordinates such a process's devices would have (tests/test_multiprocess.py
+# runs two real processes).
 
 def test_process_rows_of_half_a_mesh():
     mesh = make_mesh((2, 4))
     spec = Spec.create(mesh, [Shard(0), Replicate()], (10, 6), np.float32)
     first, second = [(0, t) for t in range(4)], [(1, t) for t in range(4)]
-    assert _process_start(spec, first, (5, 6), "", False) == (0, 0)
-    assert _process_start(spec, second, (5, 6), "", False) == (5, 0)
-    assert _infer_process_shape(spec.with_placements([Shard(0), Replicate()]), first, (5, 6), "") == (10, 6)
+    assert rows_start(spec, first, (5, 6)) == (0, 0)
+    assert rows_start(spec, second, (5, 6)) == (5, 0)
+    assert shape_from_rows(spec, first, (5, 6)) == (10, 6)
+    assert shape_from_rows(spec, second, (5, 6)) == (10, 6)
     nested = spec.with_placements([Shard(0), Shard(0)])  # rows 0:2, 2:4, 4:5, 5:5 | 5:7, 7:9, 9:10, 10:10
-    assert _process_start(nested, [(0, 2), (0, 3), (1, 0)], (3, 6), "", False) == (4, 0)
+    assert rows_start(nested, [(0, 2), (0, 3), (1, 0)], (3, 6)) == (4, 0)
     with pytest.raises(ValueError, match=r"^from_process_local: this process's devices hold 3 of the 8 shards of "
-                                         r"dim 0 under mesh\(dp=2, tp=4\) .*pass shape="):
-        _infer_process_shape(nested, [(0, 1), (0, 2), (0, 3)], (5, 6), "mesh(dp=2, tp=4) with (S(0), S(0))")
+                                         r"dim 0 under mesh\(dp=2, tp=4\) with \(S\(0\), S\(0\)\).*pass shape="):
+        shape_from_rows(nested, [(0, 1), (0, 2), (0, 3)], (5, 6))
+    with pytest.raises(ValueError, match=r"^from_process_local: local_rows has shape \(4, 6\), but under "
+                                         r"mesh\(dp=2, tp=4\) with \(S\(0\), R\) with global shape \(10, 6\) "
+                                         r"\(inferred .*\) process 0 holds \[5:10, 0:6\], of shape \(5, 6\)"):
+        rows_start(spec, second, (4, 6), inferred=True)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 4), (1, 8), (1,)], ids=["2x4", "1x8", "1-device"])
+def test_every_device_together_holds_the_whole_value(mesh_shape):
+    """One process holding every device (this one): its rows are the whole value, as from_process_local takes."""
+    mesh = make_mesh(mesh_shape)
+    placements = [Shard(0)] + [Shard(1)] * (len(mesh_shape) - 1)
+    spec = Spec.create(mesh, placements, (7, 10), np.float32)
+    every = list(np.ndindex(*mesh_shape))
+    assert shape_from_rows(spec, every, (7, 10)) == (7, 10)
+    assert rows_start(spec, every, (7, 10)) == (0, 0)
+    assert jshard.process_rows(mesh, placements, (7, 10)) == (slice(0, 7), slice(0, 10))
 
 
 def test_process_rows_not_contiguous():
     spec = Spec.create(make_mesh((8,)), [StridedShard(0, 2)], (16,), np.float32)
-    shown = "mesh(x=8) with (SS(0,2))"
     with pytest.raises(ValueError, match=r"^from_process_local: under mesh\(x=8\) with \(SS\(0,2\)\), the devices of "
                                          r"process 0 hold indices 0:4, 8:12 of dim 0 of \(16,\), not one contiguous "
                                          r"range.*use from_local"):
-        _process_start(spec, [(c,) for c in range(4)], (8,), shown, False)
-    assert _process_start(spec.with_placements([Shard(0)]), [(c,) for c in range(4, 8)], (8,), shown, False) == (8,)
+        rows_start(spec, [(c,) for c in range(4)], (8,))
+    assert rows_start(spec.with_placements([Shard(0)]), [(c,) for c in range(4, 8)], (8,)) == (8,)
