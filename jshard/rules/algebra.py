@@ -92,7 +92,7 @@ def _one_operand(n: int, j: int, outs: Sequence[Partial], ops: Sequence[Partial]
     (One list filled in place: rules run on every uncached selection.)"""
     column = [R] * (n + 1)
     found = []
-    for out, p in zip(outs, ops):
+    for out, p in zip(outs, ops, strict=True):
         column[0], column[j + 1] = out, p
         found.append(tuple(column))
     return found

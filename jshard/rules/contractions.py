@@ -94,10 +94,10 @@ def _dot_general(ins, outs, params) -> list[tuple]:
     (lc, rc), (lb, rb) = params["dimension_numbers"]
     lf = [d for d in range(len(ins[0].shape)) if d not in lc and d not in lb]
     rf = [d for d in range(len(ins[1].shape)) if d not in rc and d not in rb]
-    t = [(Φ(i), Φ(a), Φ(b)) for i, (a, b) in enumerate(zip(lb, rb))]
+    t = [(Φ(i), Φ(a), Φ(b)) for i, (a, b) in enumerate(zip(lb, rb, strict=True))]
     t += [(Φ(len(lb) + i), Φ(d), R) for i, d in enumerate(lf)]
     t += [(Φ(len(lb) + len(lf) + i), R, Φ(d)) for i, d in enumerate(rf)]
-    t += [(SUM, Φ(a), Φ(b)) for a, b in zip(lc, rc)]
+    t += [(SUM, Φ(a), Φ(b)) for a, b in zip(lc, rc, strict=True)]
     return t + _operand_partials(ins, outs)
 
 
@@ -119,7 +119,7 @@ def _full_window(params: dict, lhs_shape, rhs_shape, lhs_dim: int, rhs_dim: int,
 
 def _contracted_spatial(params: dict, lhs_shape, rhs_shape) -> list[tuple[int, int]]:
     dn = params["dimension_numbers"]
-    return [(a, b) for i, (a, b) in enumerate(zip(dn.lhs_spec[2:], dn.rhs_spec[2:]))
+    return [(a, b) for i, (a, b) in enumerate(zip(dn.lhs_spec[2:], dn.rhs_spec[2:], strict=True))
             if _full_window(params, lhs_shape, rhs_shape, a, b, i)]
 
 
@@ -144,7 +144,7 @@ def _conv(ins, outs, params) -> list[tuple]:
         t.append((Φ(of), R, Φ(ro)))
     if groups == 1:  # every input feature meets every output feature: a plain contraction
         t.append((SUM, Φ(lfeat), Φ(ri)))
-    t += [(Φ(o), Φ(a), R) for i, (o, a, b) in enumerate(zip(osp, lsp, rsp))
+    t += [(Φ(o), Φ(a), R) for i, (o, a, b) in enumerate(zip(osp, lsp, rsp, strict=True))
           if _pointwise_window(params, rhs.shape, b, i)]
     t += [(SUM, Φ(a), Φ(b)) for a, b in _contracted_spatial(params, lhs.shape, rhs.shape)]
     return t + _operand_partials(ins, outs)

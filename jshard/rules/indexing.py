@@ -153,7 +153,7 @@ def _gather_parts(op_rank: int, out_rank: int, dn) -> tuple[list[int], list[int]
 
 def _holds_batch_rows(op: Spec, idx: Spec, operand_dims: Sequence[int], indices_dims: Sequence[int]) -> bool:
     """Does every device hold the operand rows that its indices' batching dims pair with?"""
-    return all(_rows_within(idx, b, op, d) for d, b in zip(operand_dims, indices_dims))
+    return all(_rows_within(idx, b, op, d) for d, b in zip(operand_dims, indices_dims, strict=True))
 
 
 def _gather_check(params, in_specs, out_specs) -> bool:
@@ -173,7 +173,7 @@ def _gather_local(prim, params, in_specs, out_specs):
         if sizes[d] == op_spec.shape[d] and d not in dn.start_index_map:
             sizes[d] = op_spec.local_block_shape[d]
     take = _take_rows([(d, _rows_table(op_spec, d, idx_spec, b))
-                       for d, b in zip(dn.operand_batching_dims, dn.start_indices_batching_dims)
+                       for d, b in zip(dn.operand_batching_dims, dn.start_indices_batching_dims, strict=True)
                        if not np.array_equal(op_spec.layouts[d], idx_spec.layouts[b])])
     rows = [(k, d) for k, d in enumerate(dn.start_index_map) if op_spec.chain(d)]
     names = tuple(out_spec.mesh.axis_names)
@@ -215,9 +215,9 @@ def _gather(ins, outs, params) -> list[tuple]:
     op, idx = ins
     dn, sizes = params["dimension_numbers"], params["slice_sizes"]
     window, batch = _gather_parts(len(op.shape), len(outs[0].shape), dn)
-    t = [(Φ(o), Φ(d), R) for d, o in zip(window, dn.offset_dims)
+    t = [(Φ(o), Φ(d), R) for d, o in zip(window, dn.offset_dims, strict=True)
          if sizes[d] == op.shape[d] and d not in dn.start_index_map]
-    paired = dict(zip(dn.start_indices_batching_dims, dn.operand_batching_dims))
+    paired = dict(zip(dn.start_indices_batching_dims, dn.operand_batching_dims, strict=True))
     for b, o in enumerate(batch):
         t.append((Φ(o), R, Φ(b)))
         if b in paired:
@@ -268,12 +268,12 @@ def _scatter_rule(kind: str):
         op, idx, upd = ins
         dn = params["dimension_numbers"]
         window, batch = _scatter_parts(len(op.shape), len(upd.shape), dn)
-        wsize = {d: upd.shape[w] for d, w in zip(window, dn.update_window_dims)}
-        t = [(Φ(d), Φ(d), R, Φ(w)) for d, w in zip(window, dn.update_window_dims)
+        wsize = {d: upd.shape[w] for d, w in zip(window, dn.update_window_dims, strict=True)}
+        t = [(Φ(d), Φ(d), R, Φ(w)) for d, w in zip(window, dn.update_window_dims, strict=True)
              if wsize[d] == op.shape[d] and d not in dn.scatter_dims_to_operand_dims]
         t += [(Φ(d), Φ(d), R, R) for d in sorted(set(dn.scatter_dims_to_operand_dims))
               if wsize.get(d, 1) == 1]
-        paired = dict(zip(dn.scatter_indices_batching_dims, dn.operand_batching_dims))
+        paired = dict(zip(dn.scatter_indices_batching_dims, dn.operand_batching_dims, strict=True))
         for b, u in enumerate(batch):
             if b in paired:
                 t += [(Φ(paired[b]), Φ(paired[b]), Φ(b), Φ(u)), (Φ(paired[b]), R, Φ(b), Φ(u))]
@@ -305,7 +305,7 @@ def _scatter_local(prim, params, in_specs, out_specs):
     if not rows and not padded:
         return lambda op, idx, upd: [prim.bind(take(op), idx, upd, **params)]
     window, _ = _scatter_parts(op_spec.rank, upd_spec.rank, dn)
-    wsize = {d: upd_spec.shape[w] for d, w in zip(window, dn.update_window_dims)}
+    wsize = {d: upd_spec.shape[w] for d, w in zip(window, dn.update_window_dims, strict=True)}
     upper = np.array([op_spec.shape[d] - wsize.get(d, 1) for d in dn.scatter_dims_to_operand_dims])
     # an update is dropped by giving it a start past the local block: the local scatter runs in drop mode
     beyond = np.array([op_spec.local_block_shape[d] for d in dn.scatter_dims_to_operand_dims])

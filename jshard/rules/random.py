@@ -54,9 +54,23 @@ def _elementwise(ins, outs, params) -> list[tuple]:
     return pointwise(ins, outs, rank)
 
 
-for _name in ("random_seed", "random_wrap", "random_unwrap", "random_split", "random_fold_in", "random_clone",
-              "threefry2x32"):
-    register(_name)(_elementwise)
+def _unexported_key_primitives() -> tuple:
+    """``random_wrap``, ``random_clone`` and ``random_unwrap``: JAX exports these objects nowhere (not even in
+    ``jax.extend``), so they are read off the jaxpr of the public functions that bind them (tracing starts no
+    backend)."""
+    data = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    traced = jax.make_jaxpr(lambda k: jax.random.key_data(jax.random.clone(
+        jax.random.wrap_key_data(k, impl="threefry2x32"))))(data)
+    found = {e.primitive.name: e.primitive for e in traced.eqns}
+    wanted = ("random_wrap", "random_clone", "random_unwrap")
+    if not set(wanted) <= set(found):
+        raise RuntimeError(f"jshard.rules.random: jax {jax.__version__} binds {sorted(found)} for wrap_key_data, "
+                           f"clone and key_data, not {list(wanted)}: find the key primitives' new names in that "
+                           "jaxpr and register the key rule for them")
+    return tuple(found[n] for n in wanted)
+
+
+register("random_seed", "random_split", "random_fold_in", "threefry2x32", *_unexported_key_primitives())(_elementwise)
 
 
 def _partitionable(key_dtype) -> bool:

@@ -152,7 +152,7 @@ def sort_strategies(ins, outs, params) -> list[tuple]:
     for mix in mixes:
         if any(p.is_partial for p in mix):
             col = [R] * n
-            for j, p in zip(free, mix):
+            for j, p in zip(free, mix, strict=True):
                 col[j] = p
             t.append(tuple(col) * 2)
     return t

@@ -253,8 +253,8 @@ def _group_exact(src: list[int], dst: list[int], mesh_shape: tuple, src_chains: 
     # simulate only the mesh axes that cut the group: the layout is the same along the others
     axes = {a for chain in src_chains + dst_chains for a, _ in chain}
     pick = tuple(slice(None) if a in axes else 0 for a in range(len(mesh_shape)))
-    flat_in = _flat_block([dim_layout(n, mesh_shape, c)[pick] for n, c in zip(src, src_chains)], src)
-    flat_out = _flat_block([dim_layout(n, mesh_shape, c)[pick] for n, c in zip(dst, dst_chains)], dst)
+    flat_in = _flat_block([dim_layout(n, mesh_shape, c)[pick] for n, c in zip(src, src_chains, strict=True)], src)
+    flat_out = _flat_block([dim_layout(n, mesh_shape, c)[pick] for n, c in zip(dst, dst_chains, strict=True)], dst)
     if flat_in.shape != flat_out.shape:  # different element counts per block: no plain reshape
         return False
     return bool(np.all((flat_out < 0) | (flat_in == flat_out)))
@@ -283,14 +283,14 @@ def _slice_local(prim, params: dict, in_specs: tuple[Spec, ...], out_specs: tupl
     src, dst = in_specs[0], out_specs[0]
     strides = params["strides"] or (1,) * src.rank
     box = []  # (start, limit, stride) per dim
-    for d, (s, lim, st) in enumerate(zip(params["start_indices"], params["limit_indices"], strides)):
+    for d, (s, lim, st) in enumerate(zip(params["start_indices"], params["limit_indices"], strides, strict=True)):
         if dst.shape[d] == src.shape[d]:  # the whole dim: the block as it is, whatever its shard
             box.append((0, src.local_block_shape[d], 1))
         elif src.chain(d):  # one element of a sharded dim: at the same place on coordinate 0 (check)
             box.append((int(s), int(s) + 1, 1))
         else:  # a whole-on-every-device dim: the global slice
             box.append((int(s), int(lim), int(st)))
-    starts, limits, steps = zip(*box) if box else ((), (), ())
+    starts, limits, steps = zip(*box, strict=True) if box else ((), (), ())
     return lambda x: [lax.slice(x, starts, limits, steps)]
 
 

@@ -3,6 +3,6 @@
 See ``jshard.validate.core`` for the method and ``jshard.validate.samples`` for the sample programs.
 """
 
-from .core import Report, Sample, collect, validate
+from .core import NOT_SAMPLED, Report, Sample, collect, registered_with_samples, validate, without_samples
 
-__all__ = ["Report", "Sample", "collect", "validate"]
+__all__ = ["NOT_SAMPLED", "Report", "Sample", "collect", "registered_with_samples", "validate", "without_samples"]

@@ -32,14 +32,13 @@ def main(argv=None) -> int:
 
     import jax
 
-    from ..rules import registered
-    from .core import collect, validate
+    from .core import NOT_SAMPLED, collect, registered_with_samples, validate, without_samples
 
     if len(jax.devices()) < 4:
         jax.config.update("jax_platforms", "cpu")
     names = args.prim.split(",") if args.prim else None
     samples = collect(names)
-    todo = names or sorted(set(registered()) & set(samples))
+    todo = names or registered_with_samples(samples)
     sizes = tuple(int(s) for s in args.sizes.split(","))
     rows, total = [], [0, 0, 0, 0.0]
     print(f"{'primitive':28} {'correct':>8} {'incorrect':>9} {'missing':>8} {'time':>8}")
@@ -73,6 +72,11 @@ def main(argv=None) -> int:
                 if args.show_repro:
                     print("      " + repro.replace("\n", "\n      "))
     print("-" * 65)
+    if not names:  # the rules --all leaves out, and why
+        for name in sorted(NOT_SAMPLED):
+            print(f"{name:28} (not sampled: {NOT_SAMPLED[name]})")
+        for name in without_samples(samples):
+            print(f"{name:28} (no samples: add a program to jshard/validate/samples)")
     print(f"{'total':28} {total[0]:8d} {total[1]:9d} {total[2]:8d} {total[3]:7.1f}s")
     if args.json:
         with open(args.json, "w") as f:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import jax
@@ -39,9 +39,15 @@ from ..propagate import offered, params_key
 from ..rules.registry import registered, rule_for
 from ..spec import Spec, block_of, block_sharding, local_of
 
-__all__ = ["Sample", "Report", "collect", "validate"]
+__all__ = ["Sample", "Report", "NOT_SAMPLED", "collect", "validate", "registered_with_samples", "without_samples"]
 
 _AXIS = "x"
+
+# Rules the validator cannot check, each with the reason: every other registered rule must have samples (a rule
+# without them is a rule nobody checked). An entry here is a decision, reviewed like code.
+NOT_SAMPLED: dict[str, str] = {
+    "empty2": "an uninitialised array: its value is whatever the buffer held, so no single-device truth exists",
+}
 
 
 @dataclass
@@ -88,8 +94,8 @@ def walk_samples(jaxpr: jc.Jaxpr, consts, args, out: list, source: str) -> None:
     ``out``: every equation of a sample program, with the values it really sees."""
     env = {}
     read = lambda v: v.val if isinstance(v, jc.Literal) else env[v]
-    env.update(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
+    env.update(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
     for eqn in jaxpr.eqns:
         vals = [read(v) for v in eqn.invars]
         call = inlined_call(eqn)  # nested programs (jit, custom_jvp_call, ...) contribute their eqns
@@ -100,7 +106,7 @@ def walk_samples(jaxpr: jc.Jaxpr, consts, args, out: list, source: str) -> None:
         out.append(Sample(eqn.primitive, dict(eqn.params),
                           [v if _is_key(v) else np.asarray(v) for v in vals],
                           [isinstance(v, jc.Literal) for v in eqn.invars], [v.aval for v in eqn.outvars], source))
-        env.update((v, r) for v, r in zip(eqn.outvars, res) if not isinstance(v, jc.DropVar))
+        env.update((v, r) for v, r in zip(eqn.outvars, res, strict=True) if not isinstance(v, jc.DropVar))
 
 
 def _names(jaxpr: jc.Jaxpr) -> set[str]:
@@ -135,6 +141,24 @@ def collect(names: Iterable[str] | None = None, per_signature: int = 2) -> dict[
                         counts[sig] = counts.get(sig, 0) + 1
                         found.setdefault(s.prim.name, []).append(s)
     return found
+
+
+def registered_with_samples(samples: Mapping[str, Sequence[Sample]]) -> list[str]:
+    """The primitives the validator checks: those with a rule and samples in ``samples`` (from ``collect``).
+
+    >>> registered_with_samples({"exp": [], "jit": []})
+    ['exp']
+    """
+    return sorted(set(registered()) & set(samples))
+
+
+def without_samples(samples: Mapping[str, Sequence[Sample]]) -> list[str]:
+    """The registered rules that nothing checks: no samples in ``samples`` and no reason in ``NOT_SAMPLED``.
+
+    >>> "exp" in without_samples({})
+    True
+    """
+    return sorted(set(registered()) - set(samples) - set(NOT_SAMPLED))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -340,15 +364,16 @@ def validate(name: str, samples: Sequence[Sample], *, sizes: Sequence[int] = (2,
     status: dict = {}  # key -> dict(offered_fail, offered_ok, free_held, free_failed)
     for sample in samples:
         variants = [sample.values]
-        if all(_is_key(v) or lit or _k(np.asarray(v).dtype) in "fi" for v, lit in zip(sample.values, sample.literal)):
+        if all(_is_key(v) or lit or _k(np.asarray(v).dtype) in "fi"
+               for v, lit in zip(sample.values, sample.literal, strict=True)):
             # negated (literals are constants the rules may have looked at: they stay)
             variants.append([v if _is_key(v) or lit or _k(np.asarray(v).dtype) not in "fi"
                              else (-np.asarray(v)).astype(np.asarray(v).dtype)
-                             for v, lit in zip(sample.values, sample.literal)])
+                             for v, lit in zip(sample.values, sample.literal, strict=True)])
         for n in sizes:
             mesh = _mesh(n)
             choices = [_placements(np.ndim(v) if not _is_key(v) else len(v.shape), v.dtype, lit)
-                       for v, lit in zip(sample.values, sample.literal)]
+                       for v, lit in zip(sample.values, sample.literal, strict=True)]
             combos = [c for c in itertools.product(*choices) if not all(p.is_replicate for p in c)]
             if max_combos is not None and len(combos) > max_combos:
                 pick = rng.choice(len(combos), size=max_combos, replace=False)
@@ -375,8 +400,8 @@ def _key(combo, outs) -> tuple:
 def _check_combo(sample: Sample, variants, mesh: Mesh, combo, rng, status: dict, report: Report):
     n = mesh.devices.size
     in_specs = tuple(Spec(mesh, (p,), tuple(np.shape(v)) if not _is_key(v) else tuple(v.shape), v.dtype)
-                     for v, p in zip(sample.values, combo))
-    consts = [np.asarray(v) if lit else None for v, lit in zip(sample.values, sample.literal)]
+                     for v, p in zip(sample.values, combo, strict=True))
+    consts = [np.asarray(v) if lit else None for v, lit in zip(sample.values, sample.literal, strict=True)]
     try:
         allowed = set(offered(sample.prim, sample.params, in_specs, sample.out_avals, consts=consts))
     except Exception as e:  # a rule that crashes is a defect worth reporting, not a reason to stop
@@ -390,50 +415,51 @@ def _check_combo(sample: Sample, variants, mesh: Mesh, combo, rng, status: dict,
         out = sample.prim.bind(*values, **sample.prim.get_bind_params(sample.params))  # keys: compare their data
         truths = [np.asarray(jax.random.key_data(o) if _is_key(o) else o)
                   for o in (out if sample.prim.multiple_results else [out])]
-        for _draw in range(1):
-            stacked = [_blocks(v if _is_key(v) else np.asarray(v), s, rng) for v, s in zip(values, in_specs)]
-            default = None
-            for outs in out_tuples:
-                out_specs = tuple(Spec(mesh, (p,), tuple(a.shape), a.dtype) for a, p in zip(sample.out_avals, outs))
-                is_offered = tuple((p,) for p in outs) in allowed
-                try:
-                    fn = local_equation(sample.prim, sample.params, in_specs, out_specs)
-                    if custom:
-                        got = _run(fn, stacked, n)
-                    else:
-                        if default is None:  # the same on every device: no need for axis names
-                            per = [fn(*[b[c] for b in stacked]) for c in range(n)]
-                            default = [np.stack([np.asarray(jax.random.key_data(p[j]) if _is_key(p[j]) else p[j])
-                                                 for p in per]) for j in range(len(per[0]))]
-                        got = default
-                    data_specs = [Spec(mesh, s.placements, s.shape + t.shape[len(s.shape):], t.dtype) for s, t in
-                                  zip(out_specs, truths)]  # a key output is checked through its key data
-                    ok = all(_holds(g, s, t) for g, s, t in zip(got, data_specs, truths))
-                except Exception as e:  # noqa: BLE001 - a failing local function means the placement does not hold
-                    ok, got = False, repr(e)
-                key = _key(combo, outs)
-                st = status.setdefault(key, dict(offered_fail=False, offered_ok=False, free_held=False,
-                                                 free_failed=False, fail_repro=None, held_repro=None))
-                if is_offered:
-                    if ok:
-                        st["offered_ok"] = True
-                    elif not st["offered_fail"]:
-                        st["offered_fail"] = True
-                        st["fail_repro"] = _repro(sample, values, in_specs, out_specs, stacked, got, truths)
-                elif ok:
-                    if not st["free_held"]:
-                        st["free_held"] = True
-                        st["held_repro"] = _repro(sample, values, in_specs, out_specs, stacked, got, truths)
+        stacked = [_blocks(v if _is_key(v) else np.asarray(v), s, rng)
+                   for v, s in zip(values, in_specs, strict=True)]
+        default = None
+        for outs in out_tuples:
+            out_specs = tuple(Spec(mesh, (p,), tuple(a.shape), a.dtype)
+                              for a, p in zip(sample.out_avals, outs, strict=True))
+            is_offered = tuple((p,) for p in outs) in allowed
+            try:
+                fn = local_equation(sample.prim, sample.params, in_specs, out_specs)
+                if custom:
+                    got = _run(fn, stacked, n)
                 else:
-                    st["free_failed"] = True
+                    if default is None:  # the same on every device: no need for axis names
+                        per = [fn(*[b[c] for b in stacked]) for c in range(n)]
+                        default = [np.stack([np.asarray(jax.random.key_data(p[j]) if _is_key(p[j]) else p[j])
+                                             for p in per]) for j in range(len(per[0]))]
+                    got = default
+                data_specs = [Spec(mesh, s.placements, s.shape + t.shape[len(s.shape):], t.dtype) for s, t in
+                              zip(out_specs, truths, strict=True)]  # a key output is checked through its key data
+                ok = all(_holds(g, s, t) for g, s, t in zip(got, data_specs, truths, strict=True))
+            except Exception as e:  # noqa: BLE001 - a failing local function means the placement does not hold
+                ok, got = False, repr(e)
+            key = _key(combo, outs)
+            st = status.setdefault(key, dict(offered_fail=False, offered_ok=False, free_held=False,
+                                             free_failed=False, fail_repro=None, held_repro=None))
+            if is_offered:
+                if ok:
+                    st["offered_ok"] = True
+                elif not st["offered_fail"]:
+                    st["offered_fail"] = True
+                    st["fail_repro"] = _repro(sample, values, in_specs, out_specs, stacked, got, truths)
+            elif ok:
+                if not st["free_held"]:
+                    st["free_held"] = True
+                    st["held_repro"] = _repro(sample, values, in_specs, out_specs, stacked, got, truths)
+            else:
+                st["free_failed"] = True
 
 
 def _repro(sample, values, in_specs, out_specs, stacked, got, truths) -> str:
     lines = [f"{sample.prim.name} {_short_params(sample.params)}  (from samples/{sample.source})"]
-    for i, (v, s, b) in enumerate(zip(values, in_specs, stacked)):
+    for i, (v, s, b) in enumerate(zip(values, in_specs, stacked, strict=True)):
         lines.append(f"  in{i}: {s}\n    value: {np.array2string(np.asarray(v), threshold=40)}"
                      f"\n    blocks: {np.array2string(np.asarray(b), threshold=60)}")
-    for j, (s, t) in enumerate(zip(out_specs, truths)):
+    for j, (s, t) in enumerate(zip(out_specs, truths, strict=True)):
         g = got[j] if isinstance(got, list) else got
         lines.append(f"  out{j}: {s}\n    truth: {np.array2string(t, threshold=40)}"
                      f"\n    blocks: {g if isinstance(g, str) else np.array2string(g, threshold=60)}")
@@ -444,8 +470,6 @@ def _short_params(params: dict) -> str:
     return "{" + ", ".join(f"{k}={v}" for k, v in params.items() if k not in ("jaxpr", "call_jaxpr")) + "}"
 
 
-def registered_with_samples() -> list[str]:
-    return sorted(set(registered()) & set(collect()))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -466,16 +490,16 @@ def run_equation(prim, params: dict, inputs: Sequence, *, consts: Sequence | Non
         out = jax.eval_shape(lambda *a: prim.bind(*a, **prim.get_bind_params(params)), *fake)
         out_avals = [jax.core.ShapedArray(o.shape, o.dtype) for o in (out if prim.multiple_results else [out])]
     choice = select(prim, params, [x.spec for x in inputs], out_avals, consts=consts)
-    moved = [x.redistribute(s.placements) for x, s in zip(inputs, choice.ins)]
+    moved = [x.redistribute(s.placements) for x, s in zip(inputs, choice.ins, strict=True)]
     fn = local_equation(prim, params, choice.ins, choice.outs)
     mesh = inputs[0].mesh
     block = block_sharding(mesh).spec
 
     @coordinates_read_once()
     def body(*blocks):
-        return [block_of(o) for o in fn(*[local_of(b, s) for b, s in zip(blocks, choice.ins)])]
+        return [block_of(o) for o in fn(*[local_of(b, s) for b, s in zip(blocks, choice.ins, strict=True)])]
 
     run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(block,) * len(moved),
                                 out_specs=[block] * len(choice.outs), check_vma=False))
     blocks = run(*[m.block for m in moved])
-    return [DArray(b, s) for b, s in zip(blocks, choice.outs)], choice
+    return [DArray(b, s) for b, s in zip(blocks, choice.outs, strict=True)], choice

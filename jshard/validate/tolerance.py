@@ -151,4 +151,4 @@ def curve_ratio(got, want, *, n_per_step: int, dtype=np.float32) -> float:
     True
     """
     return max(float(abs(g - w) / rounding_bound(np.asarray(w, dtype), n=n_per_step * (k + 1)))
-               for k, (g, w) in enumerate(zip(got, want)))
+               for k, (g, w) in enumerate(zip(got, want, strict=True)))
