@@ -24,6 +24,7 @@ DArrays.
 from __future__ import annotations
 
 import functools
+import operator
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -60,6 +61,8 @@ __all__ = ["Jitted", "constrain", "explain", "jit", "same_as"]
 
 # equations are attributed to the user's line: jshard's own wrappers are not it
 source_info_util.register_exclusion(os.path.abspath(__file__))
+
+_SPEC, _BLOCK = operator.attrgetter("spec"), operator.attrgetter("block")  # C-level reads per argument
 
 
 @dataclass(frozen=True)
@@ -141,13 +144,19 @@ class Jitted:
         # their specs (flat positional calls) or by the tree structure, which carries each DArray's spec
         if not self.static:
             if not kwargs:
-                program = self._by_specs.get(tuple([getattr(a, "spec", None) for a in args]))
+                try:
+                    specs = tuple(map(_SPEC, args))
+                except AttributeError:  # not all DArrays
+                    specs = None
+                last = self._by_specs.last
+                program = last[1] if specs == last[0] else self._by_specs.get(specs)
                 if program is not None:
-                    return _outputs(program, program.run([a.block for a in args]))
+                    self._by_specs.last = (specs, program)
+                    return program.call(list(map(_BLOCK, args)))
             blocks, tree = jax.tree.flatten((args, kwargs))
             program = self._by_tree.get(tree)
             if program is not None:
-                return _outputs(program, program.run(blocks))
+                return program.call(blocks)
         leaves = jax.tree.leaves((args, kwargs), is_leaf=is_darray)
         # inside another trace; with a DArray beside the tracers (one the enclosing function closed over) the call
         # is refused below instead, naming the traced argument
@@ -158,7 +167,7 @@ class Jitted:
             self._by_tree.put(jax.tree.structure((args, kwargs)), program)
             if not kwargs and all(type(a) is DArray for a in args):
                 self._by_specs.put(tuple(a.spec for a in args), program)
-        return _outputs(program, program.run([d.block for d in darrays]))
+        return program.call([d.block for d in darrays])
 
     def _inline(self, args: tuple, kwargs: dict) -> Any:
         """A call inside another trace (an enclosing ``jshard.jit``, ``jax.jit``, ``jax.grad``): the function runs
@@ -414,9 +423,3 @@ def _pins(out_placements, out_tree, n_out: int, *, args) -> list:
                          f"{out_tree}; give one entry per output (None leaves an output free)") from None
     return pins
 
-
-def _outputs(program: Program, blocks: list) -> Any:
-    """A call's outputs: the program's output blocks as DArrays, in the function's output structure."""
-    if program.single:
-        return DArray(blocks[0], program.out_specs[0])
-    return jax.tree.unflatten(program.out_tree, [DArray(b, s) for b, s in zip(blocks, program.out_specs)])

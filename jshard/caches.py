@@ -31,15 +31,16 @@ class Cache:
     steady-state call of a jitted function looks up its program here, with a key (a tree structure holding
     every argument's spec) that is costly to compare twice, as a least-recently-used order would."""
 
-    __slots__ = ("maxsize", "_data", "__weakref__")
+    __slots__ = ("maxsize", "_data", "get", "last", "__weakref__")
 
     def __init__(self, maxsize: int):
         self.maxsize = maxsize
         self._data: dict = {}
+        self.get: Callable[[Any], Any] = self._data.get  # the dict's own method: no Python frame per lookup
+        # (key, value) of the latest hit, for a caller to compare first: a key of the same objects again (a
+        # training loop's specs) compares equal by identity, with no hash computed
+        self.last: tuple = (None, None)
         _CACHES.add(self)
-
-    def get(self, key) -> Any:
-        return self._data.get(key)
 
     def put(self, key, value) -> None:
         self._data[key] = value
@@ -48,6 +49,7 @@ class Cache:
 
     def clear(self) -> None:
         self._data.clear()
+        self.last = (None, None)
 
     def __len__(self) -> int:
         return len(self._data)

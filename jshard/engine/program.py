@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
+import operator
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ CPU_IN_FLIGHT = 4  # collective programs queued at once on XLA:CPU (see Program)
 TRACED_DARRAY = ("jshard.jit: {what}: a DArray reached a JAX transformation (jax.jit, lax.scan, jax.grad, ...) "
                  "or was closed over by a jshard.jit function. DArrays run through jshard.jit as arguments: wrap "
                  "the whole computation in jshard.jit and pass every DArray it uses as an argument")
+
+_IS_DELETED = operator.methodcaller("is_deleted")
 
 
 @dataclass
@@ -161,11 +164,18 @@ class Program:
         with _paused_collector():
             return self.jitted.lower(*self._lifted, *blocks)
 
+    def call(self, blocks: list) -> Any:
+        """A call's outputs: DArrays in the function's output structure (``run``'s blocks, wrapped)."""
+        out = self.run(blocks)
+        if self.single:
+            return DArray(out[0], self.out_specs[0])
+        return jax.tree.unflatten(self.out_tree, [DArray(b, s) for b, s in zip(out, self.out_specs, strict=True)])
+
     def run(self, blocks: list) -> list:
         """The output blocks of a call on input ``blocks``."""
         # XLA kills the process on a deleted or twice-donated buffer: check first (microseconds per call)
         try:
-            deleted = any([b.is_deleted() for b in blocks])
+            deleted = any(map(_IS_DELETED, blocks))
         except (AttributeError, jax.errors.ConcretizationTypeError):  # a DArray unflattened inside jax.jit, ...
             what = f"{self._name} got DArrays whose blocks are JAX tracers"
             raise TypeError(TRACED_DARRAY.format(what=what)) from None
