@@ -50,7 +50,7 @@ from .arguments import (
 from .caches import Cache
 from .cost import CostModel
 from .darray import DArray, distribute
-from .engine import Program, compile_program, constrain_p, constrain_target, replicated, trace
+from .engine import compile_program, constrain_p, constrain_target, replicated, trace
 from .engine.constrain import check_placements
 from .explanation import Explanation, explanation
 from .jaxcompat import source_info_util

@@ -14,10 +14,12 @@ True
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-__all__ = ["AxisCost", "CostModel", "COLLECTIVES"]
+__all__ = ["AxisCost", "COLLECTIVES", "Communication", "CostModel"]
 
 # bytes a device moves, as a multiple of its input buffer, for a group of n devices (ring algorithms)
 _VOLUME = {
@@ -98,6 +100,27 @@ class CostModel:
             + hops * latency
             + nbytes * _VOLUME[kind](group_size) / (bandwidth * 1e3)
         )
+
+
+class Communication(NamedTuple):
+    """Collectives an equation's own local computation runs (a rule whose kernel communicates: a ring of
+    ``ppermute`` steps), as its rule declares them: ``count`` collectives ``kind`` (one of ``COLLECTIVES``) over mesh
+    axes ``axes``, each with ``nbytes`` of input per device.
+
+    >>> ring = Communication("permute", ("x",), 4096, count=7)
+    >>> round(ring.cost(CostModel(), {"x": 8}), 1)  # 7 x (launch + one hop + 4 KiB at 19.3 GB/s)
+    66.6
+    """
+
+    kind: str
+    axes: tuple[str, ...]
+    nbytes: float
+    count: int = 1
+
+    def cost(self, model: CostModel, sizes: Mapping[str, int]) -> float:
+        """µs under ``model`` on a mesh whose axes have ``sizes`` (name -> devices)."""
+        group = math.prod(sizes[a] for a in self.axes)
+        return self.count * model.collective(self.kind, tuple(self.axes), group, self.nbytes)
 
 
 def _number(x) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .engine import JaxprPlan, Traced, moved_together, out_moves
+from .engine import JaxprPlan, Traced, moved_together, out_moves, own_collectives
 from .lowering import shared_collectives
 from .placements import format_placements
 from .planner import Plan, pricing
@@ -25,8 +25,10 @@ class Explanation:
     """What ``jshard.jit`` does with a function: one row per equation (primitive, the user's source line,
     the specs its inputs run with, its output specs, the redistributions of its inputs as
     ``(input, kind, mesh axes, bytes per device)``; ``shared``: per move, whether it shares its collective with
-    other moves made at the same point), the output pins, and totals per collective kind (``{kind: (count,
-    bytes)}``, a shared collective counted once). ``str()`` prints it as a table."""
+    other moves made at the same point; ``own``: the collectives the equation's local form runs itself, a rule
+    that communicates, as ``(kind, mesh axes, bytes per device, count)``), the output pins, and totals per
+    collective kind (``{kind: (count, bytes)}``, a shared collective counted once). ``str()`` prints it as a
+    table."""
 
     rows: list[dict]
     totals: dict
@@ -43,6 +45,8 @@ class Explanation:
             for (i, kind, axes, nbytes), shared in zip(r["moves"], r["shared"]):
                 lines.append(f"      in{i}: {kind} over ({', '.join(axes)})  {nbytes:,} B per device"
                              + ("  (one collective with other moves)" if shared else ""))
+            for kind, axes, nbytes, count in r.get("own", ()):
+                lines.append(f"      own: {kind} x{count} over ({', '.join(axes)})  {nbytes:,} B per device each")
         lines.append("totals: " + (", ".join(f"{k} x{c} ({b:,} B)" for k, (c, b) in sorted(self.totals.items()))
                                    or "no collectives"))
         return "\n".join(lines)
@@ -84,8 +88,12 @@ def _explanation(traced: Traced) -> Explanation:
                 m, s = moves_of(i, op.move, eq)
                 moves += m
                 marks += s
-            rows.append(dict(primitive=where + eq.eqn.primitive.name, source=eq.source,
-                             ins=list(eq.choice.ins), outs=list(eq.choice.outs), moves=moves, shared=marks))
+            own = [(c.kind, tuple(c.axes), int(c.nbytes), c.count) for c in own_collectives(eq)]
+            for kind, _, nbytes, count in own:
+                c, b = totals.get(kind, (0, 0))
+                totals[kind] = (c + count, b + nbytes * count)
+            rows.append(dict(primitive=where + eq.eqn.primitive.name, source=eq.source, ins=list(eq.choice.ins),
+                             outs=list(eq.choice.outs), moves=moves, shared=marks, own=own))
             for label, body, body_pins in eq.bodies:
                 walk(body, body_pins, f"{where}{eq.eqn.primitive.name} {label} | ")
         for j, move in enumerate(out_moves(plan, pins)):

@@ -146,6 +146,8 @@ def offered(prim: Any, params: dict, in_specs: Sequence[Spec], out_avals: Sequen
 # ---------------------------------------------------------------------------------------------------
 # internals
 
+# combinations a rule that communicates itself looks at (its own cost is known only per N-D strategy)
+COMMUNICATING_POPS = 256
 _SELECTED = Cache(65536)  # (primitive, params, input specs, ...) -> Choice
 _ALTERNATIVES = Cache(16384)  # (primitive, params, input specs, ...) -> [Choice, ...]
 _COLUMNS = Cache(16384)  # a rule's strategies expanded for (primitive, params, shapes, shard kinds)
@@ -425,6 +427,10 @@ class Selection:
 
     # -- the search ----------------------------------------------------------------------------------
     def run(self) -> Choice:
+        if self.rule is not None and self.rule.communicates is not None:
+            # its own collectives are priced per N-D strategy, after the per-axis search: the cheapest of the
+            # first combinations, whose moves cost least, wins
+            return min(self.search(pops=COMMUNICATING_POPS), key=lambda c: c.cost)
         # fast path: the inputs already match a rule on every axis (and no consumer asks for more)
         firsts = []
         for m in self.active:
@@ -452,13 +458,20 @@ class Selection:
             key, idx = heapq.heappop(heap)
             cand = self.candidate([per_axis[a][i][1] for a, i in enumerate(idx)])
             if cand is not None:
-                yield Choice(cand[0], cand[1], key[0], self.rule)
+                yield Choice(cand[0], cand[1], key[0] + self.own_cost(*cand), self.rule)
             for a in range(len(idx)):
                 if idx[a] + 1 < len(per_axis[a]):
                     nxt = idx[:a] + (idx[a] + 1,) + idx[a + 1:]
                     if nxt not in seen:
                         seen.add(nxt)
                         heapq.heappush(heap, (self._key(per_axis, nxt), nxt))
+
+    def own_cost(self, ins: tuple[Spec, ...], outs: tuple[Spec, ...]) -> float:
+        """µs of the collectives the rule's local form runs itself for this strategy (0 for most rules)."""
+        if self.rule is None or self.rule.communicates is None:
+            return 0.0
+        sizes = dict(zip(self.mesh.axis_names, self.mesh_shape))
+        return sum(c.cost(self.model, sizes) for c in self.rule.communicates(self.params, ins, outs))
 
     @staticmethod
     def _key(per_axis, idx):

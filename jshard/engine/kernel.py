@@ -21,7 +21,7 @@ from ..rules.registry import has_rule, rule_for
 from .constrain import constrain_p
 from .walk import REUSED, JaxprPlan
 
-__all__ = ["communicates", "local_equation", "local_function", "moved_together", "out_moves"]
+__all__ = ["communicates", "local_equation", "local_function", "moved_together", "out_moves", "own_collectives"]
 
 
 def local_equation(prim, params: dict, in_specs, out_specs) -> Callable:
@@ -49,11 +49,22 @@ def out_moves(plan: JaxprPlan, pins: list) -> list[Plan | None]:
             for s, p in zip(plan.out_specs, pins)]
 
 
+def own_collectives(eq) -> list:
+    """The collectives equation ``eq``'s local form runs itself (``jshard.cost.Communication`` records), as its rule
+    declares them for the strategy chosen; none for most rules."""
+    rule = eq.choice.rule
+    if rule is None or rule.communicates is None:
+        return []
+    return list(rule.communicates(eq.eqn.params, eq.choice.ins, eq.choice.outs))
+
+
 def communicates(plan: JaxprPlan, pins: list) -> bool:
     """Does running ``plan`` (loop and branch bodies included) and moving its outputs to ``pins`` need a
-    collective?"""
+    collective (a move's, or one an equation's own local form runs)?"""
     for eq in plan.equations:
         if any(isinstance(op.move, Plan) and op.move.collectives for op in eq.operands):
+            return True
+        if own_collectives(eq):
             return True
         if any(communicates(body, body_pins) for _, body, body_pins in eq.bodies):
             return True

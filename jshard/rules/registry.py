@@ -53,6 +53,7 @@ __all__ = [
     "Strategies",
     "LocalHook",
     "CheckHook",
+    "CommunicatesHook",
     "Rule",
     "INTRODUCED",
     "register",
@@ -129,31 +130,43 @@ class CheckHook(Protocol):
         ...
 
 
+class CommunicatesHook(Protocol):
+    """The collectives a rule's local form runs itself for the chosen specs (``jshard.cost.Communication``
+    records; none where it runs alone)."""
+
+    def __call__(self, params: dict[str, Any], in_specs: tuple[Spec, ...], out_specs: tuple[Spec, ...],
+                 /) -> Sequence[Any]: ...
+
+
 @dataclass(frozen=True)
 class Rule:
     """A registered rule: ``strategies`` lists single-axis tuples; ``local`` (optional) builds the per-device
     function when binding the primitive with its params on local blocks would be wrong (global sizes in params,
-    offsets, masks); ``check`` (optional) rejects N-D combinations that single-axis tuples cannot rule out."""
+    offsets, masks); ``check`` (optional) rejects N-D combinations that single-axis tuples cannot rule out;
+    ``communicates`` (optional) lists the collectives the local form itself runs (a ring of ``ppermute`` steps):
+    the selection adds their cost to the moves it prices, ``explain`` and XLA:CPU's in-flight limit see them."""
 
     name: str
     strategies: Strategies
     local: LocalHook | None = None
     check: CheckHook | None = None
+    communicates: CommunicatesHook | None = None
 
 
 _RULES: dict[str, Rule] = {}
 _WARNED: set[str] = set()
 
 
-def register(*prims: jc.Primitive | str, local: LocalHook | None = None,
-             check: CheckHook | None = None) -> Callable[[Strategies], Strategies]:
+def register(*prims: jc.Primitive | str, local: LocalHook | None = None, check: CheckHook | None = None,
+             communicates: CommunicatesHook | None = None, replace: bool = False) -> Callable[[Strategies], Strategies]:
     """Decorator registering a strategy function ``fn(ins, outs, params) -> [tuples]`` for primitives, each
     given as its object or by its name in a jaxpr.
 
     Checked here, when the rule module is imported: a name the running JAX lacks is a ``ValueError`` (a
     primitive of a newer JAX listed in ``INTRODUCED`` is skipped instead), and so is a primitive that already
-    has a rule (swap one with ``override``). Nothing is registered unless every primitive is accepted. Clears
-    jshard's caches.
+    has a rule (swap one with ``override``), unless ``replace=True`` says the replacement is meant (a function
+    of ``jshard.rules.function`` defined again, as a notebook cell run twice does). Nothing is registered unless
+    every primitive is accepted. Clears jshard's caches.
 
     >>> @register("expm1")
     ... def again(ins, outs, params):
@@ -168,10 +181,10 @@ def register(*prims: jc.Primitive | str, local: LocalHook | None = None,
 
     def deco(fn: Strategies) -> Strategies:
         for i, n in enumerate(names):
-            if n in _RULES or n in names[:i]:
+            if (n in _RULES and not replace) or n in names[:i]:
                 raise _duplicate_error(n, _RULES[n].strategies if n in _RULES else fn, fn)
         for n in names:
-            _RULES[n] = Rule(n, fn, local, check)
+            _RULES[n] = Rule(n, fn, local, check, communicates)
         clear_caches()
         return fn
 
