@@ -281,7 +281,7 @@ class Selection:
         if mesh is None:
             raise ValueError(f"select('{name}'): an equation without inputs needs mesh=")
         self.mesh = mesh
-        self.mesh_shape = tuple(mesh.devices.shape) if mesh is not None else ()
+        self.mesh_shape = tuple(mesh.devices.shape)
         self.active = tuple(m for m, n in enumerate(self.mesh_shape) if n > 1)
         self.rule = rule_for(name)
         # the shard kinds to fill placeholders with: the inputs' and those consumers want (an input-free draw
@@ -364,16 +364,11 @@ class Selection:
         return in_specs, out_specs
 
     # -- costs ---------------------------------------------------------------------------------------
-    def _nbytes(self, s: Spec) -> float:
-        shards = math.prod(self.mesh_shape[m] for m, p in enumerate(s.placements) if p.is_shard)
-        itemsize = getattr(s.dtype, "itemsize", 8)
-        return math.prod(s.shape) * itemsize / shards
-
     def _made_bytes(self, want: Spec, made: Placement, m: int) -> float:
         """The bytes a device holds of an output made as ``made`` on axis ``m`` (and as ``want`` on the others):
         what moving it to ``want`` starts from."""
         n = self.mesh_shape[m]
-        return self._nbytes(want) * (n if want.placements[m].is_shard else 1) / (n if made.is_shard else 1)
+        return want.local_bytes * (n if want.placements[m].is_shard else 1) / (n if made.is_shard else 1)
 
     def _hop(self, src: Placement, dst: Placement, nbytes: float, m: int) -> tuple[float, int]:
         if src == dst:
@@ -393,7 +388,7 @@ class Selection:
 
     def options(self, m: int) -> list[tuple[tuple, Column]]:
         cur = self.current(m)
-        nbytes = [self._nbytes(s) for s in self.in_specs]
+        nbytes = [s.local_bytes for s in self.in_specs]
         opts = []
         for col in self.columns:
             if self.follow and self._scatters_alone(col, cur, m):

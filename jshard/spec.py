@@ -270,6 +270,16 @@ class Spec:
         """The padded local shape every device stores: the largest local shape, dim by dim."""
         return tuple(lay.shape[-1] for lay in self.layouts)
 
+    @cached_property
+    def local_bytes(self) -> int:
+        """Bytes one device stores and a collective moves of it: its padded block (``local_block_shape``).
+
+        >>> import jax; from jshard import Shard
+        >>> Spec.create(jax.make_mesh((8,), ("x",)), [Shard(0)], (9, 4), "float32").local_bytes  # 2 rows of 4
+        32
+        """
+        return math.prod(self.local_block_shape) * self.itemsize
+
     @property
     def device_block_shape(self) -> tuple[int, ...]:
         """One device's piece of block storage: ``local_block_shape`` (``(1,)`` for a scalar)."""

@@ -360,10 +360,10 @@ def _shrink(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh, pi
                 continue
             reads = [t for j in users.get(o, ()) for op, t in zip(equations[j].operands, equations[j].choice.ins)
                      if not op.literal and op.value is o] + ([pins[o]] if o in pins else [])
-            smaller = [t for t in reads if _local_bytes(t) < _local_bytes(env[o])]
+            smaller = [t for t in reads if t.local_bytes < env[o].local_bytes]
             slices = [t for t in map(partial(_sliced_part, env[o]), reads) if t is not None]
             # in the program's order, never a set's: every process must plan alike
-            for t in sorted(dict.fromkeys(slices + smaller), key=_local_bytes):
+            for t in sorted(dict.fromkeys(slices + smaller), key=lambda t: t.local_bytes):
                 specs = _operand_specs(eq, env, mesh)
                 want = [t if m == k else None for m in range(len(eq.outs))]
                 choice = select(eq.eqn.primitive, eq.eqn.params, specs, [v.aval for v in eq.eqn.outvars],
@@ -374,7 +374,7 @@ def _shrink(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh, pi
                 if trial is None:
                     continue
                 (cost, sent), (was, sent_before) = _trial_moves(equations, users, env, mesh, pins, trial)
-                written = sum(_local_bytes(new) - _local_bytes(env[v]) for v, new in trial[1].items())
+                written = sum(new.local_bytes - env[v].local_bytes for v, new in trial[1].items())
                 if _new_collectives(specs, eq.choice.ins, choice.ins):  # its inputs move instead of its output
                     kept = written <= 0 and cost < was - 1e-9 and sent <= sent_before
                 else:
@@ -490,13 +490,9 @@ def _sliced_part(src: Spec, dst: Spec) -> Spec | None:
     if cut == src.placements:
         return None
     spec = Spec(src.mesh, cut, src.shape, src.dtype)
-    if _local_bytes(spec) >= _local_bytes(src) or plan_redistribute(src, cut).collectives:
+    if spec.local_bytes >= src.local_bytes or plan_redistribute(src, cut).collectives:
         return None
     return spec
-
-
-def _local_bytes(spec: Spec) -> int:
-    return math.prod(spec.local_block_shape) * spec.itemsize
 
 
 def _reduced(spec: Spec) -> Spec:
