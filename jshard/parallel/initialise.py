@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -53,19 +53,56 @@ from ..api import jit
 from ..darray import DArray
 from ..jaxcompat import jc, open_jaxpr, source_info_util
 
-__all__ = ["initialise"]
+__all__ = ["Constructor", "initialise", "trace_constructor"]
 
 # elements: a value this small is made by the eager key chain, and recomputed by every program that reads it
 SMALL = 1 << 12
 
 
-def initialise(build: Callable[[], nnx.Module], mesh: Mesh, placements: list[tuple]) -> tuple[list[DArray], Any]:
+class Constructor(NamedTuple):
+    """A module's constructor, traced once: ``module`` is what it builds with shapes and dtypes in place of values
+    (as ``nnx.eval_shape`` makes it; placements are planned on it), ``jaxpr`` the trace ``initialise`` computes the
+    values from. One trace serves both: tracing a deep model's constructor takes seconds."""
+
+    module: nnx.Module
+    jaxpr: Any  # a closed jaxpr of () -> (parameters in nnx.iter_graph order, other state, whole state)
+    other: Any  # the other state's shapes (its tree)
+
+
+def trace_constructor(build: Callable[[], nnx.Module]) -> Constructor:
+    """``build`` traced: the abstract module and what ``initialise`` needs to give it values.
+
+    >>> from flax import nnx
+    >>> c = trace_constructor(lambda: nnx.Linear(16, 32, rngs=nnx.Rngs(0)))
+    >>> c.module.kernel.get_value().shape
+    (16, 32)
+    """
+    made = {}
+
+    def run():
+        module = build()
+        if not isinstance(module, nnx.Module):
+            made["module"] = module
+            return [], {}, {}
+        made["graphdef"], state = nnx.split(module)
+        return (*_split(module), state)
+
+    closed, (_, other, state) = jax.make_jaxpr(run, return_shape=True)()
+    if "graphdef" not in made:
+        raise TypeError(f"parallelize: the constructor returned {type(made['module']).__name__}, not a Flax "
+                        "nnx.Module")
+    return Constructor(nnx.merge(made["graphdef"], state), closed, other)
+
+
+def initialise(build: Callable[[], nnx.Module] | Constructor, mesh: Mesh,
+               placements: list[tuple]) -> tuple[list[DArray], Any]:
     """The parameters ``build()`` makes as DArrays with ``placements`` (in ``nnx.iter_graph`` order), every
-    device computing only its own blocks, and the module's other state (an ``nnx.State`` of plain arrays)."""
-    closed, (_, other) = jax.make_jaxpr(lambda: _split(build()), return_shape=True)()
+    device computing only its own blocks, and the module's other state (an ``nnx.State`` of plain arrays).
+    ``build`` may be its ``trace_constructor`` already."""
+    closed, other = (build if isinstance(build, Constructor) else trace_constructor(build))[1:]
     graph = _Graph(*open_jaxpr(closed))
-    n = len(placements)
-    params, others = graph.outvars[:n], graph.outvars[n:]
+    n, n_other = len(placements), len(jax.tree.leaves(other))
+    params, others = graph.outvars[:n], graph.outvars[n:n + n_other]
     groups, rest = graph.groups(params, placements)
     # the keys travel as their data, fetched in one go: a host value is cut for the devices without a program
     roots, made = graph.evaluate([v for g in groups for m in g for v in graph.slices[m][1]])
