@@ -128,7 +128,7 @@ def measure_step(layers: int, mesh):
     t_first = time.perf_counter() - t0
     want = step(params, ids, labels)
     got = jax.tree.leaves(out, is_leaf=lambda a: isinstance(a, jshard.DArray))
-    err = max(float(np.abs(np.asarray(a.full()) - b).max()) for a, b in zip(got, jax.tree.leaves(want)))
+    err = max(float(np.abs(np.asarray(a.full()) - b).max()) for a, b in zip(got, jax.tree.leaves(want), strict=True))
 
     # jax.jit with NamedShardings (XLA's partitioner) on the same step
     auto = jax.make_mesh((2, 4), ("dp", "tp"), devices=jax.devices()[:8],
@@ -156,7 +156,8 @@ def measure_step(layers: int, mesh):
     jout = jstep(jparams, jids, jlabels)
     jax.block_until_ready(jout)
     t_jax = time.perf_counter() - t0
-    jerr = max(float(np.abs(np.asarray(a) - b).max()) for a, b in zip(jax.tree.leaves(jout), jax.tree.leaves(want)))
+    jerr = max(float(np.abs(np.asarray(a) - b).max())
+               for a, b in zip(jax.tree.leaves(jout), jax.tree.leaves(want), strict=True))
     scale = max(float(np.abs(b).max()) for b in jax.tree.leaves(want))
     return dict(layers=layers, equations=n_eqns, jshard_trace_propagate_s=round(t_prop, 3),
                 jaxpr_trace_s=round(t_jaxpr, 3), propagate_us_per_equation=round((t_prop - t_jaxpr) / n_eqns * 1e6, 1),
@@ -185,7 +186,7 @@ def measure_overhead(mesh, rounds=40, reps=200):
             jax.block_until_ready(r.block if isinstance(r, jshard.DArray) else r)
             times[name].append((time.perf_counter() - t0) / reps * 1e6)
     out = {name: statistics.median(ts) for name, ts in times.items()}
-    out["ratio"] = statistics.median(a / b for a, b in zip(times["jshard.jit"], times["jax.jit"]))
+    out["ratio"] = statistics.median(a / b for a, b in zip(times["jshard.jit"], times["jax.jit"], strict=True))
     return out
 
 

@@ -130,7 +130,7 @@ def interleaved(ours, theirs, rounds: int, reps: int, unit: float) -> dict:
                 out = call(i)
             jax.block_until_ready(out)
             times[name].append((time.perf_counter() - t0) / reps / unit)
-    ratios = sorted(a / b for a, b in zip(times["jshard"], times["jax.jit"]))
+    ratios = sorted(a / b for a, b in zip(times["jshard"], times["jax.jit"], strict=True))
     return {"jshard": statistics.median(times["jshard"]), "jax.jit": statistics.median(times["jax.jit"]),
             "ratio": statistics.median(ratios), "ratio_min": ratios[0], "ratio_max": ratios[-1]}
 

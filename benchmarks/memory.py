@@ -158,7 +158,7 @@ def _mirror_shardings(o_structs, p_structs, flat_specs):
     def place(node):
         if jax.tree.structure(node) == structure:
             return jax.tree.unflatten(structure, [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-                                                  for a, s in zip(jax.tree.leaves(node), flat_specs)])
+                                                  for a, s in zip(jax.tree.leaves(node), flat_specs, strict=True)])
         return node
 
     return jax.tree.map(place, o_structs, is_leaf=lambda n: jax.tree.structure(n) == structure)

@@ -126,7 +126,7 @@ def interleaved(calls: dict, rounds: int, reps: int, ready) -> dict:
             times[name].append((time.perf_counter() - t0) / reps * 1e6)
             cpu[name].append((c1 - c0) / reps * 1e6)
     (a, ta), (b, tb) = times.items()
-    ratios = sorted(x / y for x, y in zip(ta, tb))
+    ratios = sorted(x / y for x, y in zip(ta, tb, strict=True))
     return {f"{a}_us": round(statistics.median(ta), 1), f"{b}_us": round(statistics.median(tb), 1),
             "ratio": round(statistics.median(ratios), 3), "ratio_min": round(ratios[0], 3),
             "ratio_max": round(ratios[-1], 3),

@@ -98,7 +98,7 @@ def cases():
 
 def _specs(mesh, eqn, patterns):
     return [Spec(mesh, _cycle(p, mesh.devices.shape), tuple(v.aval.shape), np.dtype(v.aval.dtype))
-            for v, p in zip(eqn.invars, patterns + [[R]] * (len(eqn.invars) - len(patterns)))]
+            for v, p in zip(eqn.invars, patterns + [[R]] * (len(eqn.invars) - len(patterns)), strict=True)]
 
 
 def _time(fn, reps):

@@ -116,7 +116,7 @@ def correct(block: np.ndarray, spec: Spec, value: np.ndarray) -> bool:
 
 def dtensor_accepts(src, dst) -> bool:
     """DTensor's public redistribute refuses any new Partial target (R/S -> P, P -> P')."""
-    return all(q == p for p, q in zip(src, dst) if q.is_partial)
+    return all(q == p for p, q in zip(src, dst, strict=True) if q.is_partial)
 
 
 def run_config(mesh_shape, shape, *, quick: bool, execute: bool, rng) -> dict:
@@ -158,7 +158,7 @@ def run_config(mesh_shape, shape, *, quick: bool, execute: bool, rng) -> dict:
             return tuple(block_of(r(local_of(b, spec))) for r in runs)
 
         prog = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=block_spec, out_specs=block_spec, check_vma=False))
-        for d, out in zip(dsts, prog(x.block)):
+        for d, out in zip(dsts, prog(x.block), strict=True):
             dst = plans[src, d].dst
             if not correct(np.asarray(out).reshape(dst.mesh_shape + dst.local_block_shape), dst, value):
                 wrong.append(f"{jshard.placements.format_placements(src)} -> {jshard.placements.format_placements(d)}")
@@ -219,7 +219,7 @@ def lower_bound(src: Spec, dst: Spec) -> int:
     worst = 0
     for c in itertools.product(*map(range, src.mesh_shape)):
         have, need = src.global_indices(c), dst.global_indices(c)
-        common = math.prod(len(np.intersect1d(a, b)) for a, b in zip(have, need))
+        common = math.prod(len(np.intersect1d(a, b)) for a, b in zip(have, need, strict=True))
         worst = max(worst, (math.prod(map(len, need)) - common) * dst.itemsize)
     return worst
 

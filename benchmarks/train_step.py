@@ -131,7 +131,7 @@ def run(name: str, layers: int, steps: int, rounds: int, first_calls: int, unit:
                 t_theirs_first.append(time.perf_counter() - t0)
     ours_hlo = traffic(step.lower(*dbatches[1]).compile())
     theirs_hlo = traffic(jstep.lower(params, opt_state, *jbatches[0]).compile())
-    first_ratios = sorted(a / b for a, b in zip(t_ours_first, t_theirs_first))
+    first_ratios = sorted(a / b for a, b in zip(t_ours_first, t_theirs_first, strict=True))
 
     for i in range(first_calls, steps):
         ours.append(float(step(*dbatches[i])))
@@ -159,8 +159,8 @@ def run(name: str, layers: int, steps: int, rounds: int, first_calls: int, unit:
             round_()
             times[side].append((time.perf_counter() - t0) / steps * 1e3)
             cpu[side].append((time.process_time() - c0) / steps * 1e3)
-    ratios = sorted(a / b for a, b in zip(times["jshard"], times["jax.jit"]))
-    cpu_ratios = sorted(a / b for a, b in zip(cpu["jshard"], cpu["jax.jit"]))
+    ratios = sorted(a / b for a, b in zip(times["jshard"], times["jax.jit"], strict=True))
+    cpu_ratios = sorted(a / b for a, b in zip(cpu["jshard"], cpu["jax.jit"], strict=True))
     return dict(setup=name, layers=layers, jshard_step_ms=round(statistics.median(times["jshard"]), 2),
                 jax_step_ms=round(statistics.median(times["jax.jit"]), 2),
                 ratio=round(statistics.median(ratios), 3), ratio_min=round(ratios[0], 3),
@@ -173,7 +173,7 @@ def run(name: str, layers: int, steps: int, rounds: int, first_calls: int, unit:
                 jax_first_call_s=round(statistics.median(t_theirs_first), 2),
                 first_call_ratio=round(statistics.median(first_ratios), 3),
                 first_call_ratio_min=round(first_ratios[0], 3), first_call_ratio_max=round(first_ratios[-1], 3),
-                loss_max_rel_diff=float(max(abs(a - b) / abs(b) for a, b in zip(ours, theirs))),
+                loss_max_rel_diff=float(max(abs(a - b) / abs(b) for a, b in zip(ours, theirs, strict=True))),
                 losses_agree=curve_ratio(ours, theirs, n_per_step=summed_terms(VOCAB, DIM, layers, SEQ, BATCH)) <= 1,
                 first_loss=ours[0], last_loss=ours[-1])
 

@@ -179,7 +179,7 @@ class Jitted:
             return out
         outs, tree = jax.tree.flatten(out)
         pins = _pins(self.out_placements, tree, len(outs), args=None)
-        return jax.tree.unflatten(tree, [o if p is None else constrain(o, p) for o, p in zip(outs, pins)])
+        return jax.tree.unflatten(tree, [o if p is None else constrain(o, p) for o, p in zip(outs, pins, strict=True)])
 
     def lower(self, *args, **kwargs) -> Any:
         """The lowered ``jax.jit`` program for these arguments (``.as_text()``, ``.compile()``)."""
@@ -408,7 +408,7 @@ def _pins(out_placements, out_tree, n_out: int, *, args) -> list:
             if len(src) != len(idx):
                 raise ValueError(f"jshard.jit: out_placements same_as({pin.argnum}) pins {len(idx)} outputs, but "
                                  f"argument {pin.argnum} has {len(src)} DArrays")
-            for i, p in zip(idx, src):
+            for i, p in zip(idx, src, strict=True):
                 pins[i] = p
         elif pin is not None:
             for i in idx:

@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nothing to train: the checkpoint is at step {start} of --steps {args.steps}")
         return 0
     ratio = curve_ratio(ours, theirs, n_per_step=summed_terms(vocab, dim, args.layers, seq, batch))
-    worst = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs))
+    worst = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs, strict=True))
     print(f"loss {ours[0]:.4f} -> {ours[-1]:.4f} (log vocab = {np.log(vocab):.4f}); largest relative difference "
           f"from one device: {worst:.1e}, {ratio:.2f} of the rounding bound -> {'OK' if ratio <= 1 else 'MISMATCH'}")
     return 0 if ratio <= 1 else 1
@@ -210,7 +210,7 @@ def _launch(args, argv: list[str], n_devices: int) -> int:
         if all(c == 0 for c in codes):
             return 0
         print(f"\nprocess exit codes {codes} (None: killed after a peer failed or at the 900 s timeout)")
-        for i, (c, e) in enumerate(zip(codes, errs)):
+        for i, (c, e) in enumerate(zip(codes, errs, strict=True)):
             if c != 0:
                 print(f"process {i} stderr:\n{log_tail(e)}")
         return 1

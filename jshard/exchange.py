@@ -49,7 +49,7 @@ class Schedule:
     rounds: tuple[tuple[Transfer, ...], ...]
 
     def round_shape(self, r: int) -> tuple[int, ...]:
-        return tuple(max(s) for s in zip(*(t.shape for t in self.rounds[r])))
+        return tuple(max(s) for s in zip(*(t.shape for t in self.rounds[r]), strict=True))
 
     def round_bytes(self, r: int, itemsize: int) -> int:
         return itemsize * math.prod(self.round_shape(r))
@@ -58,7 +58,8 @@ class Schedule:
 def eligible(src: Spec, dst_placements) -> bool:
     """Partial axes must stay as they are (the exchange moves values, it does not reduce them)."""
     return (src.rank > 0 and all(n > 0 for n in src.shape)
-            and all(p == q for p, q in zip(src.placements, dst_placements) if p.is_partial or q.is_partial))
+            and all(p == q for p, q in zip(src.placements, dst_placements, strict=True)
+                    if p.is_partial or q.is_partial))
 
 
 class _Dim:

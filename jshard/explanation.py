@@ -42,7 +42,7 @@ class Explanation:
         for n, r in enumerate(self.rows):
             lines.append(f"{n:>4}  {r['primitive']:<28} {r['source']}")
             lines.append(f"      {', '.join(map(brief, r['ins']))} -> {', '.join(map(brief, r['outs']))}")
-            for (i, kind, axes, nbytes), shared in zip(r["moves"], r["shared"]):
+            for (i, kind, axes, nbytes), shared in zip(r["moves"], r["shared"], strict=True):
                 lines.append(f"      in{i}: {kind} over ({', '.join(axes)})  {nbytes:,} B per device"
                              + ("  (one collective with other moves)" if shared else ""))
             for kind, axes, nbytes, count in r.get("own", ()):

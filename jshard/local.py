@@ -104,7 +104,7 @@ class PerDevice:
             base, steps = affine
             dtype = jax.dtypes.canonicalize_dtype(base.dtype)  # int64 tables run as int32 unless x64 is on
             out = None
-            for c, step in zip(coords, steps):  # no op for a unit step or a zero base; lax, not jitted jnp
+            for c, step in zip(coords, steps, strict=True):  # no op for a unit step or a zero base; lax, not jitted jnp
                 c = lax.broadcast(lax.convert_element_type(c, dtype), base.shape)
                 term = c if np.all(step == 1) else lax.mul(c, step.astype(dtype))
                 out = term if out is None else lax.add(out, term)
@@ -126,10 +126,10 @@ class PerDevice:
         base = v[(0,) * k].astype(np.int64)
         steps = [v[tuple(1 if b == a else 0 for b in range(k))].astype(np.int64) - base for a in range(k)]
         grid = np.indices(v.shape[:k]).reshape((k,) + v.shape[:k] + (1,) * (v.ndim - k))
-        if not np.array_equal(base + sum(s * g for s, g in zip(steps, grid)), v):
+        if not np.array_equal(base + sum(s * g for s, g in zip(steps, grid, strict=True)), v):
             return None
         sizes = v.shape[:k]
-        if (np.abs(base) + sum(np.abs(s) * (n - 1) for s, n in zip(steps, sizes))).max(initial=0) >= 2**31:
+        if (np.abs(base) + sum(np.abs(s) * (n - 1) for s, n in zip(steps, sizes, strict=True))).max(initial=0) >= 2**31:
             return None  # a partial sum could leave int32
         return base.astype(v.dtype), [s.astype(v.dtype) for s in steps]
 

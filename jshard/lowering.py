@@ -104,7 +104,7 @@ def local_programs(plans: Sequence[Plan]) -> Callable[[list], list]:
             for bucket in rounds:
                 step = lowered[bucket[0]][k]
                 results = step.together([lowered[i][k] for i in bucket], [blocks[i] for i in bucket])
-                for i, r in zip(bucket, results):
+                for i, r in zip(bucket, results, strict=True):
                     blocks[i] = r
             bucketed = {i for bucket in rounds for i in bucket}
             for i, steps in enumerate(lowered):
@@ -347,14 +347,14 @@ class _ReduceScatter:
             return [steps[0](blocks[0])]
         g = steps[0].group
         rows, shapes = [], []
-        for step, x in zip(steps, blocks):
+        for step, x in zip(steps, blocks, strict=True):
             x, d = step.pre(x), step.dim
             split = x.shape[:d] + (g, x.shape[d] // g) + x.shape[d + 1:]
             rows.append(_move_axis(x.reshape(split), d, 0).reshape(g, -1))  # no copy where d is 0
             shapes.append(split[:d] + split[d + 1:])
         mine = lax.psum_scatter(jnp.concatenate(rows, axis=1), steps[0].axes, scatter_dimension=0, tiled=True)[0]
         pieces = _cut(mine, [math.prod(shape) for shape in shapes], steps[0].axes[0])
-        return [step.mean.join(piece.reshape(shape)) for step, piece, shape in zip(steps, pieces, shapes)]
+        return [step.mean.join(piece.reshape(shape)) for step, piece, shape in zip(steps, pieces, shapes, strict=True)]
 
 
 class _AllGather:
@@ -376,7 +376,8 @@ class _AllGather:
         g = steps[0].group
         every = lax.all_gather(jnp.concatenate([x.reshape(-1) for x in blocks]), steps[0].axes, axis=0)
         out = []
-        for step, x, piece in zip(steps, blocks, _cut(every, [x.size for x in blocks], steps[0].axes[0], axis=1)):
+        pieces = _cut(every, [x.size for x in blocks], steps[0].axes[0], axis=1)
+        for step, x, piece in zip(steps, blocks, pieces, strict=True):
             d = step.dim  # members' blocks side by side along d, in group order, as a tiled all_gather puts them
             piece = _move_axis(piece.reshape((g,) + x.shape), 0, d)
             out.append(step.select(piece.reshape(x.shape[:d] + (g * x.shape[d],) + x.shape[d + 1:])))
@@ -398,7 +399,7 @@ def _cut(buffer, sizes: list[int], axis_name: str, axis: int = 0) -> list:
     is its shape's, not one per offset (XLA compiles each distinct kernel once)."""
     offsets = opaque_ints(np.cumsum([0] + sizes[:-1]).tolist(), axis_name)
     return [lax.dynamic_slice_in_dim(buffer, at, n, axis=axis, allow_negative_indices=False)
-            for at, n in zip(offsets, sizes)]
+            for at, n in zip(offsets, sizes, strict=True)]
 
 
 def _exchange(mesh, step: Step, spec: Spec) -> Callable:
@@ -422,7 +423,7 @@ def _exchange(mesh, step: Step, spec: Spec) -> Callable:
 
     local = None
     if schedule.local:
-        local = tables(schedule.local, tuple(max(s) for s in zip(*(t.shape for t in schedule.local))))
+        local = tables(schedule.local, tuple(max(s) for s in zip(*(t.shape for t in schedule.local), strict=True)))
     rounds = [(tables(r, schedule.round_shape(i)), [(t.source, t.target) for t in r])
               for i, r in enumerate(schedule.rounds)]
 
@@ -446,12 +447,12 @@ def _permute(mesh, step: Step, cur, tgt) -> Callable:
     sizes = [mesh.devices.shape[i] for i in moved]
     pairs = []
     for t in np.ndindex(*sizes):
-        coord = dict(zip(moved, t))
+        coord = dict(zip(moved, t, strict=True))
         source = tuple(coord[sigma[i]] for i in moved)
         pairs.append((int(np.ravel_multi_index(source, sizes)), int(np.ravel_multi_index(t, sizes))))
     for c in np.ndindex(*mesh.devices.shape):
         src = tuple(c[sigma[i]] for i in range(len(sigma)))
-        if not all(np.array_equal(a[src], b[c]) for a, b in zip(cur, tgt)):
+        if not all(np.array_equal(a[src], b[c]) for a, b in zip(cur, tgt, strict=True)):
             raise AssertionError(f"lowering bug in {step}: device {c} would not receive its target block")
     axes = tuple(names[i] for i in moved)  # ppermute numbers devices in mesh order whatever the tuple order
     return lambda x: lax.ppermute(x, axes, pairs)
@@ -512,14 +513,14 @@ def _lower_step(mesh, step: Step, spec: Spec) -> Callable:
     # local steps: re-index every dim whose layout changed (slice; fill puts the identity around the
     # device's own shard), then keep a new Partial(sum)'s value on coordinate 0 only (partition)
     changed = [d for d in range(len(cur)) if not np.array_equal(cur[d], tgt[d])]
-    fill_op = next((q.op for p, q in zip(step.src, step.dst) if p.is_shard and q.is_partial), None)
+    fill_op = next((q.op for p, q in zip(step.src, step.dst, strict=True) if p.is_shard and q.is_partial), None)
     selects = []
     for d in changed:
         fill = cur[d].shape[-1] if fill_op is not None else None
         selects.append(_Select(_find(cur[d], tgt[d], fill=fill, what=what), cur[d].shape[-1] + (fill is not None),
                                names, d))
     identity = reduce_identity(fill_op, dtype) if fill_op is not None else None
-    zeroed = tuple(names[a] for a, (p, q) in enumerate(zip(step.src, step.dst))
+    zeroed = tuple(names[a] for a, (p, q) in enumerate(zip(step.src, step.dst, strict=True))
                    if p.is_replicate and q.is_partial and q.op == "sum" and mesh.devices.shape[a] > 1)
 
     def local(x):

@@ -260,9 +260,9 @@ def _axis_prices(model: CostModel, names, sizes):
     """Per kind and axis: a collective costs launch + hop + bytes * per_byte; and each axis's cheapest hop."""
     hop, per_byte = {}, {}
     for k in _AXIS_KINDS:
-        hop[k] = [model.collective(k, (name,), n, 0, launch=False) for name, n in zip(names, sizes)]
+        hop[k] = [model.collective(k, (name,), n, 0, launch=False) for name, n in zip(names, sizes, strict=True)]
         per_byte[k] = [model.collective(k, (name,), n, 1, launch=False) - h
-                       for name, n, h in zip(names, sizes, hop[k])]
+                       for name, n, h in zip(names, sizes, hop[k], strict=True)]
     return hop, per_byte, [min(hop[k][a] for k in _AXIS_KINDS) for a in range(len(sizes))]
 
 
@@ -316,7 +316,7 @@ class _Search:
         self.split = [p.split_factor if p.is_shard else 0 for p in self.table]
         self._innermost: dict = {}
         self._strided_target = any(self.strided[q] for q in self.dst)
-        self._dst_multiset = sorted(zip(self.dst, self.sizes))
+        self._dst_multiset = sorted(zip(self.dst, self.sizes, strict=True))
         self.hop, self.per_byte, self.min_hop = _axis_prices(model, self.names, self.sizes)
         self.floor_divides = jnp.issubdtype(spec.dtype, jnp.integer)  # an integer average rounds down
         self._padded: dict = {}
@@ -335,7 +335,7 @@ class _Search:
         return self.itemsize * math.prod(self.padded(state))
 
     def partials_ok(self, state) -> bool:
-        return partial_ops_mix({self.op[p] for p, n in zip(state, self.sizes) if self.op[p] and n > 1})
+        return partial_ops_mix({self.op[p] for p, n in zip(state, self.sizes, strict=True) if self.op[p] and n > 1})
 
     def divides_early(self, state, run) -> bool:
         """Whether closing ``run`` in ``state`` splits an integer average's sum between collectives.
@@ -348,7 +348,7 @@ class _Search:
         """
         if not (self.floor_divides and run is not None and _requirement(run.merge_key) == "sum"):
             return False
-        pending = {self.op[p] for p, n in zip(state, self.sizes) if n > 1} & {"sum", "avg"}
+        pending = {self.op[p] for p, n in zip(state, self.sizes, strict=True) if n > 1} & {"sum", "avg"}
         return bool(pending) and (run.divides or "avg" in pending)
 
     def avg_to_floor(self, state) -> bool:
@@ -358,7 +358,7 @@ class _Search:
         if not self.floor_divides:
             return False
         reduced = avg = False
-        for p, q, n in zip(state, self.dst, self.sizes):
+        for p, q, n in zip(state, self.dst, self.sizes, strict=True):
             if n > 1 and self.op[p] in ("sum", "avg"):
                 reduced |= p != q
                 avg |= self.op[p] == "avg"
@@ -368,7 +368,7 @@ class _Search:
         """Admissible: every axis still needing a collective pays its cheapest hops; each dim (or
         reduce op) still needing one pays a launch, except the run that is already open."""
         hops, classes = 0.0, set()
-        for a, (p, q) in enumerate(zip(state, self.dst)):
+        for a, (p, q) in enumerate(zip(state, self.dst, strict=True)):
             if p == q or p == 0:
                 continue
             if self.shard_dim[p] >= 0:
@@ -451,11 +451,12 @@ class _Search:
     def relabelling(self, state) -> tuple[int, ...] | None:
         """``sigma`` with ``dst[sigma[i]] == state[i]`` over equal-size axes, keeping the order of the
         axes that shard each dim, or None. Strided shards are left to the other edges."""
-        if state == self.dst or self._strided_target or sorted(zip(state, self.sizes)) != self._dst_multiset:
+        if (state == self.dst or self._strided_target
+                or sorted(zip(state, self.sizes, strict=True)) != self._dst_multiset):
             return None
         if any(self.strided[p] for p in state):
             return None
-        sigma = [i if p == q else None for i, (p, q) in enumerate(zip(state, self.dst))]
+        sigma = [i if p == q else None for i, (p, q) in enumerate(zip(state, self.dst, strict=True))]
         free = {}
         for j, q in enumerate(self.dst):
             if sigma[j] is None:
@@ -578,7 +579,8 @@ def _plan(spec: Spec, dst: tuple[Placement, ...], model: CostModel) -> Plan:
     # an exchange can only beat paths that move shards (gathers, all_to_alls); try it straight to the
     # target, and to the target with the source's shards kept where the target replicates (then gather)
     if any(s.kind in ("all_gather", "all_to_all") for s in steps) and exchange.eligible(start, target):
-        middle = tuple(q if not q.is_replicate or not p.is_shard else p for p, q in zip(start.placements, target))
+        middle = tuple(q if not q.is_replicate or not p.is_shard else p
+                       for p, q in zip(start.placements, target, strict=True))
         for via in dict.fromkeys((target, middle)):  # middle keeps dst's Partial axes, so it is valid
             if via == start.placements:
                 continue
@@ -592,7 +594,7 @@ def _plan(spec: Spec, dst: tuple[Placement, ...], model: CostModel) -> Plan:
 
 
 def _size_one_replicated(placements: tuple[Placement, ...], mesh_shape) -> tuple[Placement, ...]:
-    return tuple(_R if n == 1 else p for p, n in zip(placements, mesh_shape))
+    return tuple(_R if n == 1 else p for p, n in zip(placements, mesh_shape, strict=True))
 
 
 def _exchange_step(spec: Spec, via, model: CostModel, names) -> list[Step]:

@@ -301,7 +301,7 @@ class Selection:
         cols = [Column((_R,) * n_out, (_R,) * n_in, frozenset())]
         if self.rule is not None:
             in_avals = tuple(Aval(s.shape, s.dtype, None if c is None else c.value)
-                             for s, c in zip(self.in_specs, self.consts))
+                             for s, c in zip(self.in_specs, self.consts, strict=True))
             dtypes = [a.dtype for a in self.out_avals] + [s.dtype for s in self.in_specs]
             # bool, PRNG keys (no Partial at all), complex (no max/min)
             limited = [(i, dt) for i, dt in enumerate(dtypes) if not _partial_ok(dt, "max")]
@@ -340,15 +340,15 @@ class Selection:
         outs = [[_R] * k for _ in self.out_avals]
         if keep_inputs:  # report the inputs exactly as given (size-1 axes included)
             ins = [list(s.placements) for s in self.in_specs]
-        for m, col in zip(self.active, combo):
+        for m, col in zip(self.active, combo, strict=True):
             for i, p in enumerate(col.ins):
                 ins[i][m] = p
             for j, p in enumerate(col.outs):
                 outs[j][m] = p
         in_specs = tuple(s if s.placements == tuple(pl) else Spec(s.mesh, tuple(pl), s.shape, s.dtype)
-                         for s, pl in zip(self.in_specs, ins))
+                         for s, pl in zip(self.in_specs, ins, strict=True))
         out_specs = tuple(Spec(self.mesh, tuple(pl), tuple(a.shape), a.dtype)
-                          for a, pl in zip(self.out_avals, outs))
+                          for a, pl in zip(self.out_avals, outs, strict=True))
         specs = out_specs + in_specs
         for s in specs:
             if not partial_ops_mix({p.op for p in s.placements if p.is_partial}):
@@ -394,7 +394,7 @@ class Selection:
             if self.follow and self._scatters_alone(col, cur, m):
                 continue
             cost, changes = 0.0, 0
-            for i, (a, b) in enumerate(zip(cur, col.ins)):
+            for i, (a, b) in enumerate(zip(cur, col.ins, strict=True)):
                 c, ch = self._hop(a, b, nbytes[i], m)
                 cost += c
                 changes += ch
@@ -415,10 +415,11 @@ class Selection:
         A scatter that makes an output its consumers want is not alone, whichever dim it lands on (a transpose
         scatters its input on the dim that becomes the wanted one)."""
         wants = [w.placements[m] for w in self.want or () if w is not None]
-        if any(w is not None and w.placements[m] == o and o.is_shard for w, o in zip(self.want or (), col.outs)):
+        wanted = self.want or (None,) * len(col.outs)
+        if any(w is not None and w.placements[m] == o and o.is_shard for w, o in zip(wanted, col.outs, strict=True)):
             return False
         return any(a.is_partial and b.is_shard and b not in cur[:i] + cur[i + 1:] and b not in wants
-                   for i, (a, b) in enumerate(zip(cur, col.ins)))
+                   for i, (a, b) in enumerate(zip(cur, col.ins, strict=True)))
 
     # -- the search ----------------------------------------------------------------------------------
     def run(self) -> Choice:
@@ -465,7 +466,7 @@ class Selection:
         """µs of the collectives the rule's local form runs itself for this strategy (0 for most rules)."""
         if self.rule is None or self.rule.communicates is None:
             return 0.0
-        sizes = dict(zip(self.mesh.axis_names, self.mesh_shape))
+        sizes = dict(zip(self.mesh.axis_names, self.mesh_shape, strict=True))
         return sum(c.cost(self.model, sizes) for c in self.rule.communicates(self.params, ins, outs))
 
     @staticmethod

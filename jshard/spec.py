@@ -55,7 +55,7 @@ class LayoutError(ValueError):
 
 def format_mesh(mesh: Mesh) -> str:
     """``mesh(dp=2, tp=4)``."""
-    return "mesh(" + ", ".join(f"{n}={s}" for n, s in zip(mesh.axis_names, mesh.devices.shape)) + ")"
+    return "mesh(" + ", ".join(f"{n}={s}" for n, s in zip(mesh.axis_names, mesh.devices.shape, strict=True)) + ")"
 
 
 def check_mesh(mesh, where: str) -> Mesh:

@@ -48,7 +48,7 @@ def constrain_target(spec: Spec, placements: tuple) -> Spec:
         if len(placements) != len(current):
             raise ValueError(f"jshard.constrain: {len(placements)} placements for the {len(current)} axes of "
                              f"{format_mesh(spec.mesh)}; give one per axis (None keeps an axis as it is)")
-        current = [c if p is None else p for p, c in zip(placements, current)]
+        current = [c if p is None else p for p, c in zip(placements, current, strict=True)]
     return spec.with_placements(current, where="jshard.constrain")
 
 

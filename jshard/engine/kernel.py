@@ -46,7 +46,7 @@ def local_equation(prim, params: dict, in_specs, out_specs) -> Callable:
 def out_moves(plan: JaxprPlan, pins: list) -> list[Plan | None]:
     """Per output of ``plan``: the plan moving it to its pinned spec, or None."""
     return [plan_redistribute(s, p.placements, cost_model=plan.cost_model) if p is not None and p != s else None
-            for s, p in zip(plan.out_specs, pins)]
+            for s, p in zip(plan.out_specs, pins, strict=True)]
 
 
 def own_collectives(eq) -> list:
@@ -92,20 +92,20 @@ def local_function(plan: JaxprPlan, pins: list | None = None) -> Callable:
 
     @coordinates_read_once()
     def run(*blocks):
-        vals = dict(zip(plan.in_vars, blocks))
+        vals = dict(zip(plan.in_vars, blocks, strict=True))
         moved = {}
 
         def fetch(op):
             return jnp.asarray(op.value) if op.literal else vals[op.value]
 
-        for i, (eq, kernel, move) in enumerate(zip(plan.equations, kernels, moves)):
+        for i, (eq, kernel, move) in enumerate(zip(plan.equations, kernels, moves, strict=True)):
             if len(runs[i]) > 1:
                 if i != runs[i][0]:
                     continue  # ran with its run's first constraint
                 _run_together([plan.equations[j] for j in runs[i]], together[i], vals, moved, fetch)
                 continue
             args = []
-            for op, m, target in zip(eq.operands, move, eq.choice.ins):
+            for op, m, target in zip(eq.operands, move, eq.choice.ins, strict=True):
                 if op.move is REUSED:
                     args.append(moved[(op.value, target)])
                     continue
@@ -115,12 +115,12 @@ def local_function(plan: JaxprPlan, pins: list | None = None) -> Callable:
                     if not op.literal:
                         moved[(op.value, target)] = a
                 args.append(a)
-            for o, r in zip(eq.outs, kernel(*args)):
+            for o, r in zip(eq.outs, kernel(*args), strict=True):
                 if o is not None:
                     vals[o] = r
         outs = [jnp.asarray(o.val, o.aval.dtype) if isinstance(o, jc.Literal) else vals[o] for o in plan.outs]
-        moved_outs = iter(finish([v for v, m in zip(outs, finals) if m is not None]))
-        return [next(moved_outs) if m is not None else v for v, m in zip(outs, finals)]
+        moved_outs = iter(finish([v for v, m in zip(outs, finals, strict=True) if m is not None]))
+        return [next(moved_outs) if m is not None else v for v, m in zip(outs, finals, strict=True)]
 
     return run
 
@@ -163,7 +163,7 @@ def _constraint_runs(equations: list) -> list[tuple[int, ...]]:
 def _run_together(run: list, program: Callable, vals: dict, moved: dict, fetch: Callable) -> None:
     """The constraints in ``run``: their operands' moves as one ``local_programs`` call, then their outputs."""
     moving = [eq for eq in run if _moving(eq.operands[0])]
-    results = dict(zip(map(id, moving), program([fetch(eq.operands[0]) for eq in moving])))
+    results = dict(zip(map(id, moving), program([fetch(eq.operands[0]) for eq in moving]), strict=True))
     for eq in moving:
         if not eq.operands[0].literal:
             moved[(eq.operands[0].value, eq.choice.ins[0])] = results[id(eq)]

@@ -56,7 +56,7 @@ class Traced:
 
     @property
     def out_specs(self) -> list[Spec]:
-        return [p or s for s, p in zip(self.plan.out_specs, self.pins)]
+        return [p or s for s, p in zip(self.plan.out_specs, self.pins, strict=True)]
 
 
 def trace(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, pins: Callable[[Any, int], list],
@@ -66,7 +66,7 @@ def trace(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, pins: Callable[[
     gives per output the placements it is pinned to, or None; ``name`` is the function's, for errors;
     ``cost_model`` prices the plan (None: the model in force)."""
     weak = weak or [False] * len(specs)
-    avals = [jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=w) for s, w in zip(specs, weak)]
+    avals = [jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=w) for s, w in zip(specs, weak, strict=True)]
 
     def traced(*leaves):
         out = fn(*jax.tree.unflatten(treedef, leaves))
@@ -81,7 +81,7 @@ def trace(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, pins: Callable[[
     closed, out_shape = _jaxpr(traced, avals, mesh)
     out_tree = jax.tree.structure(out_shape)
     pinned = [None if pin is None else Spec.create(mesh, pin, a.shape, a.dtype, where=f"out_placements (output {i})")
-              for i, (pin, a) in enumerate(zip(pins(out_tree, len(closed.out_avals)), closed.out_avals))]
+              for i, (pin, a) in enumerate(zip(pins(out_tree, len(closed.out_avals)), closed.out_avals, strict=True))]
     lifted = [_lifted(c, mesh, name) for c in open_jaxpr(closed)[1]]
     with pricing(cost_model or model_in_force()):
         plan = plan_jaxpr(closed, specs, mesh, pinned, [d.spec if d is not None else None for d in lifted])
@@ -150,7 +150,7 @@ class Program:
         self._compiled = False  # the first call traces the body and compiles it (see _paused_collector)
 
         def body(*blocks):
-            results = run(*[local_of(b, s) for b, s in zip(blocks, in_specs)])
+            results = run(*[local_of(b, s) for b, s in zip(blocks, in_specs, strict=True)])
             token = [jnp.zeros((), jnp.bool_)] if self._bounded else []
             return [block_of(r) for r in results + token]
 

@@ -143,10 +143,10 @@ def plan_jaxpr(closed: jc.ClosedJaxpr, specs: list[Spec], mesh: Mesh, pinned: li
     inputs of the plan, ahead of the others (a sharded array the function closed over), instead of literals."""
     jaxpr, consts = open_jaxpr(closed)
     lifted = lifted or [None] * len(consts)
-    env = dict(zip(jaxpr.invars, specs))
-    env.update((v, s) for v, s in zip(jaxpr.constvars, lifted) if s is not None)
+    env = dict(zip(jaxpr.invars, specs, strict=True))
+    env.update((v, s) for v, s in zip(jaxpr.constvars, lifted, strict=True) if s is not None)
     const_vars = [v if s is not None else jc.Literal(c, jax.typeof(c))
-                  for v, c, s in zip(jaxpr.constvars, consts, lifted)]
+                  for v, c, s in zip(jaxpr.constvars, consts, lifted, strict=True)]
     equations: list[EquationPlan] = []
     outs = _walk_closed(jaxpr, const_vars, list(jaxpr.invars), env, equations, mesh)
     pinned = pinned or [None] * len(outs)
@@ -156,7 +156,7 @@ def plan_jaxpr(closed: jc.ClosedJaxpr, specs: list[Spec], mesh: Mesh, pinned: li
     for eq in equations:  # every move from the producer's final spec to what its consumer runs with; constants
         # move like values (R -> P(sum) of a literal: the value on one coordinate)
         eq.operands = [op._replace(move=None if s == t else plan_redistribute(s, t.placements))
-                       for op, s, t in zip(eq.operands, _operand_specs(eq, env, mesh), eq.choice.ins)]
+                       for op, s, t in zip(eq.operands, _operand_specs(eq, env, mesh), eq.choice.ins, strict=True)]
     live = {o for o in outs if not isinstance(o, jc.Literal)}  # drop dead equations (and their collectives)
     kept = []
     for eq in reversed(equations):
@@ -167,14 +167,14 @@ def plan_jaxpr(closed: jc.ClosedJaxpr, specs: list[Spec], mesh: Mesh, pinned: li
     seen = set()  # a value moved to the same spec for several consumers moves once; a move with no steps (a
     # size-1 mesh axis: S(0) -> R there leaves the block as it is) runs nothing, so there is nothing to reuse
     for eq in equations:
-        for i, (op, target) in enumerate(zip(eq.operands, eq.choice.ins)):
+        for i, (op, target) in enumerate(zip(eq.operands, eq.choice.ins, strict=True)):
             if isinstance(op.move, Plan) and op.move.steps and not op.literal:
                 if (op.value, target) in seen:
                     eq.operands[i] = op._replace(move=REUSED)
                 seen.add((op.value, target))
     out_specs = [replicated(mesh, np.shape(o.val), o.aval.dtype) if isinstance(o, jc.Literal) else env[o]
                  for o in outs]  # a constant output is replicated: every device holds it whole
-    inputs = [v for v, s in zip(jaxpr.constvars, lifted) if s is not None] + list(jaxpr.invars)
+    inputs = [v for v, s in zip(jaxpr.constvars, lifted, strict=True) if s is not None] + list(jaxpr.invars)
     return JaxprPlan(inputs, equations, outs, out_specs, model_in_force())
 
 
@@ -186,7 +186,7 @@ def replicated(mesh: Mesh, shape, dtype) -> Spec:
 def move_cost(src: list[Spec], dst: list[Spec]) -> float:
     """Estimated µs of moving values with specs ``src`` to ``dst`` (inf where no plan gets there)."""
     total = 0.0
-    for s, t in zip(src, dst):
+    for s, t in zip(src, dst, strict=True):
         if s != t:
             try:
                 total += plan_redistribute(s, t.placements).cost
@@ -202,7 +202,7 @@ def move_cost(src: list[Spec], dst: list[Spec]) -> float:
 def _walk(jaxpr: jc.Jaxpr, in_vars: list, env: dict, equations: list, mesh: Mesh, site=None) -> list:
     """Choose strategies through ``jaxpr`` whose invars are bound to ``in_vars`` (outer values or literals);
     ``site`` is the source info of the call being inlined."""
-    alias: dict = dict(zip(jaxpr.invars, in_vars))
+    alias: dict = dict(zip(jaxpr.invars, in_vars, strict=True))
 
     def outer(v):
         return v if isinstance(v, jc.Literal) else alias[v]
@@ -215,7 +215,7 @@ def _walk(jaxpr: jc.Jaxpr, in_vars: list, env: dict, equations: list, mesh: Mesh
             const_vars = [jc.Literal(c, jax.typeof(c)) for c in consts]
             here = eqn.source_info if source_info_util.summarize(eqn.source_info) else site
             outs = _walk_closed(inner_jaxpr, const_vars, [outer(v) for v in eqn.invars], env, equations, mesh, here)
-            for o, r in zip(eqn.outvars, outs):
+            for o, r in zip(eqn.outvars, outs, strict=True):
                 if not isinstance(o, jc.DropVar):
                     alias[o] = r
             continue
@@ -245,7 +245,7 @@ def _walk(jaxpr: jc.Jaxpr, in_vars: list, env: dict, equations: list, mesh: Mesh
             choice = select(eqn.primitive, eqn.params, specs, [o.aval for o in eqn.outvars], consts=consts, mesh=mesh)
         equations.append(EquationPlan(eqn, operands, choice, kernel, bodies=bodies, site=site, consts=consts))
         values = []
-        for o, s in zip(eqn.outvars, choice.outs):
+        for o, s in zip(eqn.outvars, choice.outs, strict=True):
             if isinstance(o, jc.DropVar):
                 values.append(None)
             else:
@@ -278,7 +278,7 @@ def _reseat(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh, pi
                 uses.setdefault(op.value, []).append((eq, i))
         made_by.update((o, eq) for o in eq.outs if o is not None)
     returned = set()
-    for o, pin in zip(outs, pinned):
+    for o, pin in zip(outs, pinned, strict=True):
         if isinstance(o, jc.Literal):
             continue
         if pin is None:
@@ -296,13 +296,14 @@ def _reseat(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh, pi
         if not any(w is not None for w in want):
             continue
         specs = _operand_specs(eq, env, mesh)
-        saved = sum(plan_redistribute(env[o], w.placements).cost for o, w in zip(eq.outs, want) if w is not None)
+        saved = sum(plan_redistribute(env[o], w.placements).cost
+                    for o, w in zip(eq.outs, want, strict=True) if w is not None)
         choice = select(eq.eqn.primitive, eq.eqn.params, specs, [o.aval for o in eq.eqn.outvars], consts=eq.consts,
                         mesh=mesh, want=want)
         free = not _communicating(specs, choice.ins) or _reduces_first(eq, specs, choice, made_by)
         if choice.outs != eq.choice.outs and free and choice.cost <= eq.choice.cost + saved + 1e-9:
             eq.choice = choice
-            for o, spec in zip(eq.outs, choice.outs):
+            for o, spec in zip(eq.outs, choice.outs, strict=True):
                 if o is not None:
                     env[o] = spec
 
@@ -358,7 +359,8 @@ def _shrink(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh, pi
         for k, o in enumerate(eq.outs):
             if o is None or o in fixed:
                 continue
-            reads = [t for j in users.get(o, ()) for op, t in zip(equations[j].operands, equations[j].choice.ins)
+            reads = [t for j in users.get(o, ())
+                     for op, t in zip(equations[j].operands, equations[j].choice.ins, strict=True)
                      if not op.literal and op.value is o] + ([pins[o]] if o in pins else [])
             smaller = [t for t in reads if t.local_bytes < env[o].local_bytes]
             slices = [t for t in map(partial(_sliced_part, env[o]), reads) if t is not None]
@@ -392,7 +394,7 @@ def _consumers(equations, outs, pinned) -> tuple[dict, dict, set]:
         for op in eq.operands:
             if not op.literal:
                 users.setdefault(op.value, []).append(i)
-    pins = {o: p for o, p in zip(outs, pinned) if p is not None and not isinstance(o, jc.Literal)}
+    pins = {o: p for o, p in zip(outs, pinned, strict=True) if p is not None and not isinstance(o, jc.Literal)}
     fixed = {o for o in outs if not isinstance(o, jc.Literal) and o not in pins}
     return users, pins, fixed
 
@@ -420,7 +422,7 @@ def _ripple(equations, users, env, mesh, fixed, start, choice, *, steer=False, l
     choices, specs, touched, queue = {start: choice}, {}, {start}, []
 
     def changed(eq, outs) -> bool:
-        for o, new in zip(eq.outs, outs):
+        for o, new in zip(eq.outs, outs, strict=True):
             if o is not None and new != env[o]:
                 if o in fixed:
                     return False
@@ -440,12 +442,13 @@ def _ripple(equations, users, env, mesh, fixed, start, choice, *, steer=False, l
         eq = equations[j]
         if not _choosable(eq):  # it keeps its strategy: only its moves change
             continue
-        new = [s if op.literal else specs.get(op.value, s) for op, s in zip(eq.operands, _operand_specs(eq, env, mesh))]
+        new = [s if op.literal else specs.get(op.value, s)
+               for op, s in zip(eq.operands, _operand_specs(eq, env, mesh), strict=True)]
         avals = [o.aval for o in eq.eqn.outvars]
         pick = select(eq.eqn.primitive, eq.eqn.params, new, avals, consts=eq.consts, mesh=mesh)
         if steer and any(p.is_partial for s in pick.outs for p in s.placements):
             want = [env[o] if o is not None and not any(p.is_partial for p in env[o].placements) else _reduced(s)
-                    for o, s in zip(eq.outs, pick.outs)]
+                    for o, s in zip(eq.outs, pick.outs, strict=True)]
             early = select(eq.eqn.primitive, eq.eqn.params, new, avals, consts=eq.consts, mesh=mesh, want=want)
             later = sum(plan_redistribute(s, _reduced(s).placements).cost for s in pick.outs)
             if early.cost < pick.cost + later - 1e-9:
@@ -465,13 +468,13 @@ def _moves_cost(equations, users, env, touched, choices, specs, mesh, pinned) ->
     for j in touched:
         eq = equations[j]
         ins = choices.get(j, eq.choice).ins
-        for op, s, t in zip(eq.operands, _operand_specs(eq, env, mesh), ins):
+        for op, s, t in zip(eq.operands, _operand_specs(eq, env, mesh), ins, strict=True):
             if op.literal:
                 moves.append((s, t))
                 continue
             for k in users[op.value]:  # all its consumers: the moves they share are paid once
                 user = equations[k]
-                for o, u in zip(user.operands, choices.get(k, user.choice).ins):
+                for o, u in zip(user.operands, choices.get(k, user.choice).ins, strict=True):
                     if not o.literal and o.value is op.value:
                         seen.add((op.value, u))
     moves += [(specs.get(v, env[v]), t) for v, t in seen]
@@ -486,7 +489,7 @@ def _moves_cost(equations, users, env, touched, choices, specs, mesh, pinned) ->
 def _sliced_part(src: Spec, dst: Spec) -> Spec | None:
     """The part of moving ``src`` to ``dst`` that is a local slice: ``src`` with ``dst``'s shard on each mesh axis
     where ``src`` is Replicate, where that is a smaller block a device, made without a collective; else None."""
-    cut = tuple(d if s.is_replicate and d.is_shard else s for s, d in zip(src.placements, dst.placements))
+    cut = tuple(d if s.is_replicate and d.is_shard else s for s, d in zip(src.placements, dst.placements, strict=True))
     if cut == src.placements:
         return None
     spec = Spec(src.mesh, cut, src.shape, src.dtype)
@@ -502,12 +505,13 @@ def _reduced(spec: Spec) -> Spec:
 
 def _new_collectives(specs: list[Spec], was: tuple, now: tuple) -> bool:
     """Does running with inputs ``now`` instead of ``was`` move an input with a collective it did not take?"""
-    return any(t != w and plan_redistribute(s, t.placements).collectives for s, w, t in zip(specs, was, now))
+    return any(t != w and plan_redistribute(s, t.placements).collectives
+               for s, w, t in zip(specs, was, now, strict=True))
 
 
 def _communicating(specs: list[Spec], targets) -> bool:
     """Does moving values with ``specs`` to ``targets`` take a collective?"""
-    return any(plan_redistribute(s, t.placements).collectives for s, t in zip(specs, targets) if s != t)
+    return any(plan_redistribute(s, t.placements).collectives for s, t in zip(specs, targets, strict=True) if s != t)
 
 
 def _reduces_first(eq: EquationPlan, specs: list[Spec], choice: Choice, made_by: dict) -> bool:
@@ -532,7 +536,7 @@ def _reduces_first(eq: EquationPlan, specs: list[Spec], choice: Choice, made_by:
     transpose = eq.eqn.primitive.name == "transpose"
     if not transpose and not (_masks_a_replicate(specs, eq.choice.ins) and not _masks_a_replicate(specs, choice.ins)):
         return False
-    moves = [plan_redistribute(s, t.placements) for s, t in zip(specs, choice.ins) if s != t]
+    moves = [plan_redistribute(s, t.placements) for s, t in zip(specs, choice.ins, strict=True) if s != t]
     scatters = [step for m in moves for step in m.steps if step.is_collective and step.emitted != "all_reduce"]
     if any(step.kind != "reduce_scatter" for step in scatters):
         return False
@@ -545,7 +549,7 @@ def _masks_a_replicate(specs: list[Spec], ins: tuple) -> bool:
     """Does running with ``ins`` put an operand that is Replicate on a mesh axis on one coordinate there (as a
     ``P(sum)``)? A Replicate block already is a ``P(avg|max|min)`` one, with nothing masked."""
     return any(p.is_replicate and q.is_partial and q.op == "sum"
-               for s, t in zip(specs, ins) for p, q in zip(s.placements, t.placements))
+               for s, t in zip(specs, ins, strict=True) for p, q in zip(s.placements, t.placements, strict=True))
 
 
 def _summed_rows(eq: EquationPlan | None) -> int:

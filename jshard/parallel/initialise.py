@@ -106,8 +106,8 @@ def initialise(build: Callable[[], nnx.Module] | Constructor, mesh: Mesh,
     groups, rest = graph.groups(params, placements)
     # the keys travel as their data, fetched in one go: a host value is cut for the devices without a program
     roots, made = graph.evaluate([v for g in groups for m in g for v in graph.slices[m][1]])
-    data = dict(zip(roots, jax.device_get([jax.random.key_data(k) for k in made])))
-    impls = {v: jax.random.key_impl(k) for v, k in zip(roots, made)}
+    data = dict(zip(roots, jax.device_get([jax.random.key_data(k) for k in made]), strict=True))
+    impls = {v: jax.random.key_impl(k) for v, k in zip(roots, made, strict=True)}
     values: list[Any] = [None] * n
     for members in groups:
         order, cuts = graph.slices[members[0]]
@@ -119,7 +119,7 @@ def initialise(build: Callable[[], nnx.Module] | Constructor, mesh: Mesh,
         order, _ = graph.closure([params[m] for m in rest])
         together = jit(graph.replay(order, [], [params[m] for m in rest]),
                        out_placements=[placements[m] for m in rest], mesh=mesh)
-        for m, value in zip(rest, together()):
+        for m, value in zip(rest, together(), strict=True):
             values[m] = value
     order, _ = graph.closure(others)
     state = jax.jit(graph.replay(order, [], others))() if others else []
@@ -134,7 +134,7 @@ def _split(module: nnx.Module) -> tuple[list, nnx.State]:
 
 def _from_key_data(fn: Callable[..., list], impls: list) -> Callable[..., list]:
     """``fn`` of PRNG keys as a function of their key data (members of a group have keys of one kind)."""
-    return lambda *data: fn(*[jax.random.wrap_key_data(d, impl=impl) for d, impl in zip(data, impls)])
+    return lambda *data: fn(*[jax.random.wrap_key_data(d, impl=impl) for d, impl in zip(data, impls, strict=True)])
 
 
 def _is_key(v) -> bool:
@@ -151,7 +151,7 @@ class _Graph:
 
     def __init__(self, jaxpr, consts: list):
         self.jaxpr, self.eqns, self.outvars = jaxpr, jaxpr.eqns, list(jaxpr.outvars)
-        self.env = dict(zip(jaxpr.constvars, consts))
+        self.env = dict(zip(jaxpr.constvars, consts, strict=True))
         self.made = {v: i for i, e in enumerate(self.eqns) for v in e.outvars}
         self.slices: dict[int, tuple[list[int], list]] = {}  # parameter -> (equations, keys read), in order
         self._jaxprs: dict[int, tuple[Any, int]] = {}  # id of a nested jaxpr -> (it, its interned signature)
@@ -215,12 +215,12 @@ class _Graph:
 
         def run(*values):
             env = dict(self.env)
-            env.update(zip(inputs, values))
+            env.update(zip(inputs, values, strict=True))
             read = lambda v: v.val if isinstance(v, jc.Literal) else env[v]  # noqa: E731
             for e in eqns:
                 with source_info_util.user_context(e.source_info.traceback, name_stack=e.source_info.name_stack):
                     out = e.primitive.bind(*map(read, e.invars), **e.primitive.get_bind_params(e.params))
-                env.update(zip(e.outvars, out if e.primitive.multiple_results else [out]))
+                env.update(zip(e.outvars, out if e.primitive.multiple_results else [out], strict=True))
             return [read(v) for v in outvars]
 
         return run
@@ -271,7 +271,7 @@ class _Graph:
         if id(jaxpr) not in self._jaxprs:
             inner, consts = open_jaxpr(jaxpr)
             names = {v: ("in", k, v.aval) for k, v in enumerate(inner.invars)}
-            names.update((v, ("const", self._canon(c))) for v, c in zip(inner.constvars, consts))
+            names.update((v, ("const", self._canon(c))) for v, c in zip(inner.constvars, consts, strict=True))
             signature = self._ops(inner.eqns, names), tuple(self._ref(v, names) for v in inner.outvars)
             self._jaxprs[id(jaxpr)] = jaxpr, self._interned.setdefault(signature, len(self._interned))
         return self._jaxprs[id(jaxpr)][1]

@@ -115,7 +115,7 @@ class TrainStep:
 
             (loss, rest), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
             leaves, tree = jax.tree.flatten(grads)
-            grads = jax.tree.unflatten(tree, [constrain(g, p) for g, p in zip(leaves, grad_placements)])
+            grads = jax.tree.unflatten(tree, [constrain(g, p) for g, p in zip(leaves, grad_placements, strict=True)])
             updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, rest, loss
 
@@ -198,7 +198,8 @@ class TrainStep:
             if got != want:
                 raise ValueError(f"TrainStep.state: {name} has another structure than this step's ({got} vs {want}); "
                                  "restore with like=step.state")
-            for a, b in zip(jax.tree.leaves(new, is_leaf=is_darray), jax.tree.leaves(old, is_leaf=is_darray)):
+            for a, b in zip(jax.tree.leaves(new, is_leaf=is_darray), jax.tree.leaves(old, is_leaf=is_darray),
+                            strict=True):
                 if is_darray(b) and (not is_darray(a) or a.spec != b.spec):
                     raise ValueError(f"TrainStep.state: a leaf of {name} is {a!r} where this step holds {b!r}; "
                                      "restore with like=step.state, which gives this step's placements")
