@@ -142,7 +142,7 @@ def _buckets(plans: Sequence[Plan]) -> list[list[list[int]]]:
         for i, p in enumerate(plans):
             step = p.steps[k] if k < len(p.steps) else None
             if step is not None and _shares(step, p):
-                groups.setdefault((step.kind, step.axes, np.dtype(p.src.dtype)), []).append(i)
+                groups.setdefault((step.kind, step.axes, p.src.dtype), []).append(i)
         rounds = []
         for members in groups.values():
             rounds.append([])

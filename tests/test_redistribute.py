@@ -58,6 +58,17 @@ def test_other_dtypes(dtype, src, dst):
     run_pair((2, 4), (6, 10), src, dst, np.random.default_rng(1), dtype=dtype, check_hlo=True)
 
 
+@pytest.mark.parametrize("dst", [[Replicate()], [Shard(1)]])
+def test_prng_keys_move_and_gather(dst):
+    """A DArray of typed PRNG keys moves like any array: its key data, bit for bit (its dtype is no numpy one)."""
+    keys = jax.random.split(jax.random.key(0), 16).reshape(8, 2)
+    x = jshard.distribute(keys, make_mesh((8,)), [Shard(0)])
+    y = x.redistribute(dst)
+    assert y.placements == tuple(dst) and y.dtype == keys.dtype
+    for got in (y.full(), x.full()):
+        np.testing.assert_array_equal(np.asarray(jax.random.key_data(got)), np.asarray(jax.random.key_data(keys)))
+
+
 def test_rank0_and_empty_shards():
     rng = np.random.default_rng(2)
     run_pair((2, 4), (), (Partial(), Partial("avg")), (Replicate(), Partial()), rng)
