@@ -1,4 +1,4 @@
-"""One process of the multi-controller test (tests/test_multiprocess.py): 2 processes x 4 CPU devices.
+"""One process of the multi-controller test (tests/engine/test_multiprocess.py): 2 processes x 4 CPU devices.
 
     python tests/multiprocess_worker.py PROCESS_ID PORT RESULT.json
 

@@ -146,6 +146,12 @@ def hlo_collectives(compiled_text: str) -> collections.Counter:
     return collections.Counter(re.findall(pat, compiled_text))
 
 
+def stablehlo_collectives(lowered_text: str) -> collections.Counter:
+    """Collectives of a lowered (not compiled) program, by their StableHLO names."""
+    return collections.Counter(re.findall(
+        r"stablehlo\.(all_gather|all_reduce|reduce_scatter|all_to_all|collective_permute)", lowered_text))
+
+
 def plan_collectives(plan) -> collections.Counter:
     return collections.Counter(HLO_KINDS[s.emitted] for s in plan.collectives for _ in range(s.count))
 

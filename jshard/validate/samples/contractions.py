@@ -1,7 +1,7 @@
 """Contraction programs: matmuls in every layout a training step uses, integer accumulation, and the
 convolutions of a CNN step (NHWC, SAME / VALID, strides, dilations, groups) with both gradients.
 
-bfloat16 operands are left to ``tests/test_rules_contractions.py``: the validator has no padding sentinel
+bfloat16 operands are left to ``tests/rules/test_rules_contractions.py``: the validator has no padding sentinel
 for them yet."""
 
 import jax

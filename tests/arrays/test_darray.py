@@ -1,3 +1,6 @@
+"""The DArray against the oracle of its blocks (``oracle.local_blocks``, written independently of jshard's shard
+math): ``distribute`` / ``from_local`` / ``full`` / ``to_local`` give back each device's reference block and the
+global value, printing and ``visualize`` show the layout, and the runs of indices a device holds."""
 
 import jax
 import jax.numpy as jnp

@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the README's own lines set it, where they do
 
 

@@ -1,3 +1,6 @@
+"""Specs against an independent reference of torch.chunk semantics (``oracle.reference_indices``): every device's
+global indices (nested and strided shards, uneven sizes), printing, and the round trip to ``PartitionSpec``."""
+
 import itertools
 
 import jax

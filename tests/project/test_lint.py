@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
 def test_ruff_is_clean():

@@ -1,3 +1,6 @@
+"""Placement types (``Replicate``, ``Shard``, ``StridedShard``, ``Partial``): printing, hashing, normalisation of
+negative dims, and the validation errors, against hand-written expectations."""
+
 import pytest
 
 from jshard import Partial, PlacementError, Replicate, Shard, StridedShard

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from corpus import PROGRAMS, grad_fn, make_args
 from flax import nnx
-from test_corpus import PROGRAMS, grad_fn, make_args
 
 import jshard
 from conftest import make_mesh

@@ -23,7 +23,7 @@ import time
 
 from jshard.launch import launch, log_tail
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(ROOT, "tests", "multiprocess_worker.py")
 TIMEOUT = 240  # seconds, for both workers together
 GROUPS = ("distribute", "from_local", "from_process_local", "jax_arrays_in", "redistribute", "jit_mlp", "gpt",

@@ -13,7 +13,7 @@ argument and checks three things:
 Then the regressions behind some of the cases: 0-size dims flow through every constructor and
 redistribution like any other, Partial(max|min) reductions keep NaN as ``np.maximum`` / ``np.minimum`` do (in
 one all_reduce), a DArray whose storage was donated raises ``DeletedArrayError`` instead of crashing XLA, and
-an integer Partial(avg) is divided once, after every sum (``tests/test_fuzz_inputs.py`` found it floored part
+an integer Partial(avg) is divided once, after every sum (``tests/errors/test_fuzz_inputs.py`` found it floored part
 by part).
 """
 
