@@ -331,8 +331,8 @@ def test_from_process_local_other_bad_inputs():
 
 
 # A second process cannot be started here: the rows of a process are asked of the public helpers that
-# from_process_local uses, given the mesh coordinates such a process's devices would have (tests/engine/test_multiprocess.py
-# runs two real processes).
+# from_process_local uses, given the mesh coordinates such a process's devices would have
+# (tests/engine/test_multiprocess.py runs two real processes).
 
 def test_process_rows_of_half_a_mesh():
     mesh = make_mesh((2, 4))
