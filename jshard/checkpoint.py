@@ -204,7 +204,7 @@ def _check_not_keys(spec: Spec, what: str) -> None:
 def _check_template(directory, saved: Any, paths: list[tuple[str, ...]], leaves: list[Any]) -> None:
     """Every leaf of ``like`` must name a saved value of the same shape and dtype, and cover them all."""
     flat = dict(_walk_saved(saved))
-    wanted = {p: leaf for p, leaf in zip(paths, leaves)}
+    wanted = {p: leaf for p, leaf in zip(paths, leaves, strict=True)}
     missing = sorted(set(wanted) - set(flat))
     extra = sorted(set(flat) - set(wanted))
     problems = []
@@ -280,7 +280,7 @@ def _lookup(tree: dict, path: tuple[str, ...]) -> Any:
 def _to_stored(tree: Any) -> dict:
     paths, leaves, _ = _flatten(tree, "the tree")
     out: dict = {}
-    for path, leaf in zip(paths, leaves):
+    for path, leaf in zip(paths, leaves, strict=True):
         if isinstance(leaf, DArray):
             leaf._check_live(f"jshard.checkpoint.save of {'.'.join(path)}")
             leaf = _reduced(leaf)
@@ -395,7 +395,7 @@ class _DArrayHandler(th.TypeHandler):
 
         async def write_all():
             await asyncio.gather(*[_write(spec, parts, info, arg)
-                                   for (spec, parts), info, arg in zip(writes, infos, args)])
+                                   for (spec, parts), info, arg in zip(writes, infos, args, strict=True)])
 
         return [ocp_future.CommitFutureAwaitingContractedSignals(write_all(), name="jshard_darray_handler")]
 
@@ -404,7 +404,7 @@ class _DArrayHandler(th.TypeHandler):
         if args is None or any(getattr(a, "spec", None) is None for a in args):
             raise ValueError("jshard.checkpoint: a DArray restores only into a layout; pass like= "
                              "(jshard.checkpoint.restore) or args=jshard.checkpoint.Restore(like)")
-        return list(await asyncio.gather(*[_read(info, arg.spec) for info, arg in zip(infos, args)]))
+        return list(await asyncio.gather(*[_read(info, arg.spec) for info, arg in zip(infos, args, strict=True)]))
 
 
 th.register_type_handler(_Stored, _DArrayHandler(), override=True)
@@ -445,7 +445,7 @@ def _writers(spec: Spec) -> dict[tuple[int, ...], tuple[tuple[slice, ...] | None
         if d is not None:
             c = -(-len(idx[d]) // r)
             local[d] = slice(min(j * c, len(idx[d])), min((j + 1) * c, len(idx[d])))
-        part = tuple(i[s] for i, s in zip(idx, local))
+        part = tuple(i[s] for i, s in zip(idx, local, strict=True))
         # too small to split (a scalar, say): the first replica writes it
         writes = all(len(i) for i in part) and (d is not None or j == 0)
         out[coords] = (tuple(local), part) if writes else (None, None)
@@ -460,7 +460,7 @@ def _write_grid(spec: Spec) -> tuple[int, ...]:
         for d, idx in enumerate(part or ()):
             for run in index_runs(idx):
                 cuts[d].update(run)
-    return tuple(math.gcd(*(c for c in cut if 0 < c < n)) or max(n, 1) for cut, n in zip(cuts, spec.shape))
+    return tuple(math.gcd(*(c for c in cut if 0 < c < n)) or max(n, 1) for cut, n in zip(cuts, spec.shape, strict=True))
 
 
 def _boxes(idx: tuple[np.ndarray, ...]):

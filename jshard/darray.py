@@ -20,6 +20,7 @@ DArray(f32[10,2] (S(0), R) on mesh(dp=2, tp=4))
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -307,7 +308,7 @@ def from_local(locals: Sequence, mesh: Mesh, placements: Sequence[Placement], sh
     local = spec.local_block_shape
     shards = []
     for i, a in arrays.items():
-        widths = [(0, n - s) for n, s in zip(local, a.shape)]
+        widths = [(0, n - s) for n, s in zip(local, a.shape, strict=True)]
         block = (jnp if isinstance(a, jax.Array) else np).pad(a, widths) if widths else a
         shards.append(jax.device_put(block.reshape(spec.device_block_shape), devices[i]))
     block = jax.make_array_from_single_device_arrays(spec.block_shape, block_sharding(mesh), shards)
@@ -385,7 +386,7 @@ def process_rows(mesh: Mesh, placements: Sequence[Placement], shape: Sequence[in
         raise ValueError(f"{where}: {shown} has a Partial placement, which has no rows: a pending reduction has one "
                          "part per device (from_local takes them)")
     start, length = _process_span(spec, _my_coords(mesh, where), shown, where)
-    return tuple(slice(s, s + n) for s, n in zip(start, length))
+    return tuple(slice(s, s + n) for s, n in zip(start, length, strict=True))
 
 
 def from_jax(x: jax.Array, mesh: Mesh | None = None) -> DArray:
@@ -483,7 +484,7 @@ def to_devices(block: np.ndarray, devices: list) -> dict:
     """One host block on each of ``devices`` (replicas): device -> array. ``block`` is given away: on CPU the
     arrays may alias it."""
     with jax.ensure_compile_time_eval():  # made while a JAX trace runs (a Python scalar operand): still concrete
-        return dict(zip(devices, jax.device_put([block] * len(devices), devices)))
+        return dict(zip(devices, jax.device_put([block] * len(devices), devices), strict=True))
 
 
 def on_devices(spec: Spec, arrays: dict) -> jax.Array:
@@ -507,15 +508,17 @@ def _shards_reader(x: jax.Array) -> Callable[[tuple[np.ndarray, ...]], np.ndarra
     shard is read in place."""
     if x.is_fully_replicated:
         return _reader(np.asarray(x.addressable_data(0)))
-    spans = {tuple((sl.start or 0, n if sl.stop is None else sl.stop) for sl, n in zip(s.index, x.shape)): s
+    spans = {tuple((sl.start or 0, n if sl.stop is None else sl.stop)
+                   for sl, n in zip(s.index, x.shape, strict=True)): s
              for s in x.addressable_shards}  # one replica of each part
 
     def read(idx):
         block = np.empty([len(i) for i in idx], x.dtype)
         for span, shard in spans.items():
-            inside = [np.nonzero((i >= a) & (i < b))[0] for i, (a, b) in zip(idx, span)]
+            inside = [np.nonzero((i >= a) & (i < b))[0] for i, (a, b) in zip(idx, span, strict=True)]
             if all(len(p) for p in inside):
-                part = np.asarray(shard.data)[np.ix_(*[i[p] - a for i, p, (a, _) in zip(idx, inside, span)])]
+                at = [i[p] - a for i, p, (a, _) in zip(idx, inside, span, strict=True)]
+                part = np.asarray(shard.data)[np.ix_(*at)]
                 block[np.ix_(*inside)] = part
         return block
 
@@ -526,8 +529,9 @@ def _host_index(idx: Sequence[np.ndarray], start: Sequence[int]):
     """numpy index of global indices ``idx`` (one list per dim) in a part starting at ``start``: slices (a view)
     when every list is a contiguous run, as for Shard, else an outer-product gather (StridedShard)."""
     if all((np.diff(i) == 1).all() for i in idx):
-        return tuple(slice(int(i[0]) - s, int(i[-1]) + 1 - s) if len(i) else slice(0, 0) for i, s in zip(idx, start))
-    return np.ix_(*[i - s for i, s in zip(idx, start)])
+        return tuple(slice(int(i[0]) - s, int(i[-1]) + 1 - s) if len(i) else slice(0, 0)
+                     for i, s in zip(idx, start, strict=True))
+    return np.ix_(*[i - s for i, s in zip(idx, start, strict=True)])
 
 
 def shape_from_rows(spec: Spec, coords: Sequence[tuple[int, ...]], rows_shape: Sequence[int]) -> tuple[int, ...]:
@@ -586,7 +590,7 @@ def index_runs(idx: np.ndarray) -> list[tuple[int, int]]:
     [(0, 3), (8, 11), (4, 5)]
     """
     breaks = [0, *(np.flatnonzero(np.diff(idx) != 1) + 1).tolist(), len(idx)]
-    return [(int(idx[a]), int(idx[b - 1]) + 1) for a, b in zip(breaks, breaks[1:]) if b > a]
+    return [(int(idx[a]), int(idx[b - 1]) + 1) for a, b in itertools.pairwise(breaks) if b > a]
 
 
 def _process_span(spec: Spec, mine: list[tuple[int, ...]], shown: str, where: str) -> tuple[tuple, tuple]:

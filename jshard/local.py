@@ -112,7 +112,7 @@ class PerDevice:
         # one dynamic index into the flattened table: coordinates are never negative, so no wrap-around code
         sizes = self.values.shape[:len(self.axes)]
         flat = coords[0]
-        for c, size in zip(coords[1:], sizes[1:]):
+        for c, size in zip(coords[1:], sizes[1:], strict=True):
             flat = flat * size + c
         table = jnp.asarray(self.values.reshape((-1,) + self.values.shape[len(self.axes):]))
         return lax.dynamic_slice_in_dim(table, flat, 1, allow_negative_indices=False)[0]

@@ -37,7 +37,7 @@ def visualize(x) -> str:
         raise TypeError(f"visualize: takes a DArray (or a Spec), got {type(x).__name__}; build a DArray with "
                         "jshard.distribute(value, mesh, placements)")
     names = spec.mesh.axis_names
-    partial = ", ".join(f"{p.op} over {n}" for n, p in zip(names, spec.placements) if p.is_partial)
+    partial = ", ".join(f"{p.op} over {n}" for n, p in zip(names, spec.placements, strict=True) if p.is_partial)
     header = ["device", *names, "local shape", *(f"dim {d}" for d in range(spec.rank))]
     rows = []
     for coords in np.ndindex(*spec.mesh_shape):
@@ -45,7 +45,7 @@ def visualize(x) -> str:
         rows.append([str(device.id), *map(str, coords), str(spec.local_shape(coords)),
                      *map(_ranges, spec.global_indices(coords))])
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
-    line = lambda r: "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip()
+    line = lambda r: "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip()
     text = [str(spec), line(header), line(["-" * w for w in widths]), *map(line, rows)]
     if partial:
         text.append(f"pending reduction: {partial} (each device holds a part)")
