@@ -4,8 +4,10 @@ The plan maps module paths (``"blocks/*/mlp/fc1"``, glob patterns over the path 
 indices joined by ``/``) to styles; each parameter takes, per mesh axis, the placement its module's styles
 give there, else its Flax sharding annotation (``nnx.with_partitioning`` names, resolved through ``rules``),
 else Replicate; a ``FullyShard`` matched on a module also places the parameters of the modules inside it (FSDP's
-unit, torch's ``fully_shard(block)``). Matched modules with an input or output constraint, and FSDP units, are
-given a ``__call__`` that applies it through ``jshard.constrain`` (a unit's parameters gathered together). A
+unit, torch's ``fully_shard(block)``). Matched modules whose styles constrain their calls, and FSDP units, are
+given a ``__call__`` that applies the styles' ``inputs`` / ``outputs`` through ``jshard.constrain`` (a unit's
+parameters gathered together). Everything a style does is asked of the style (``styles``): this module knows
+none of them, and runs five steps, ``_match``, ``_place``, ``_units``, ``_build``, ``_install``. A
 parallelized module called eagerly (outside ``jshard.jit``, on DArray parameters) runs as one cached
 ``jshard.jit`` program and returns DArrays, so ``model(x)`` works as before.
 
@@ -34,7 +36,7 @@ import fnmatch
 import inspect
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax
 import jax
@@ -50,7 +52,7 @@ from ..jaxcompat import source_info_util
 from ..placements import Placement, Replicate
 from ..spec import Spec, format_mesh, shard_order
 from .initialise import initialise
-from .styles import ParallelStyle
+from .styles import ParallelStyle, UnplacedParameter, _is_array, style_classes
 
 __all__ = ["parallelize", "placements_of"]
 
@@ -108,94 +110,11 @@ def parallelize(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh,
     plan = _plan(plan)
     default = _styles(default, "default=")
     rules = _rules(rules, mesh)
-    names = list(mesh.axis_names)
-    modules = {path: node for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)}
-    matched, used = {}, set()
-    for path, module in modules.items():  # every module gets an entry: default styles may gather its params
-        key = "/".join(map(str, path))
-        patterns = [p for p in plan if fnmatch.fnmatchcase(key, p)]
-        used.update(patterns)
-        matched[path] = _matched(plan, patterns, key)
-        _check_axes(default + matched[path], names, mesh, key)
-        constrains = [s for s in matched[path] if s.input is not None or s.output is not None]
-        if constrains and not callable(module):
-            raise ValueError(f"parallelize: {constrains[0]} at {key or 'the root module'} constrains the input and "
-                             f"output of {type(module).__name__}, which is never called (it has no __call__); match "
-                             "the modules inside it instead (say 'blocks/*')")
-    unused = [p for p in plan if p not in used]
-    if unused:
-        raise ValueError(f"parallelize: plan pattern(s) {unused} match no module; module paths are "
-                         f"{sorted('/'.join(map(str, p)) for p in modules if p)[:12]}")
-
-    params, owners, gathers = [], set(), {}
-    for path, var in nnx.iter_graph(model):
-        if not isinstance(var, nnx.Param):
-            continue
-        owner_path = next(path[:i] for i in range(len(path) - 1, -1, -1) if path[:i] in modules)
-        owners.add(owner_path)
-        value = var.get_value()
-        full = value.full() if isinstance(value, DArray) else value
-        shape = tuple(full.shape)
-        placements = list(_annotated(var, mesh, shape, full.dtype, rules))
-        placing = _placing(owner_path, default, matched)
-        for style, unit in placing.values():
-            placements[names.index(style.axis)] = style.param(modules[owner_path], str(path[-1]), shape)
-            if style.compute is not None:
-                gathers.setdefault(unit, {}).setdefault(path[len(unit):], []).append((style.axis, style.compute))
-        params.append((var, full, _fsdp_inside(placements, [s for s, _ in placing.values()], mesh)))
-    for unit in gathers:  # a default unit never called is gathered where used; a matched one would mislead
-        if not callable(modules[unit]) and any(s.compute is not None for s in matched[unit]):
-            raise ValueError(f"parallelize: FullyShard at {'/'.join(map(str, unit)) or 'the root module'} gathers the "
-                             f"parameters inside it when {type(modules[unit]).__name__} is called, and it is never "
-                             "called (it has no __call__); match the modules it holds instead, one unit each (say "
-                             "{f'blocks/{i}': FullyShard('dp') for i in range(layers)})")
-    if build is None:
-        values = [distribute(full, mesh, placements) for _, full, placements in params]
-    else:
-        values, other = initialise(build, mesh, [tuple(p) for _, _, p in params])
-        nnx.update(model, other)
-    # every callable module holding parameters (the model itself among them) learns to run eagerly on DArrays
-    holders = {owner[:i] for owner in owners for i in range(len(owner) + 1)}
-    classes = {}
-    for path, styles in matched.items():
-        module = modules[path]
-        if not callable(module):
-            continue
-        io = tuple((s.axis, s.input, s.output, s.pin_input_gradient) for s in styles
-                   if s.input is not None or s.output is not None)
-        gather = tuple((rel, tuple(axes)) for rel, axes in gathers.get(path, {}).items())  # nnx.iter_graph order
-        base = getattr(type(module), "_unconstrained", type(module))  # parallelizing again replaces, never stacks
-        classes[path] = _constrained(base, io, gather) if io or gather or path in holders else base
-
-    for (var, _, _), value in zip(params, values):
-        var.set_value(value)
-    for path, cls in classes.items():
-        modules[path].__class__ = cls
-    return model
-
-
-def _abstract(build: Callable[[], nnx.Module]) -> nnx.Module:
-    """The module ``build()`` makes, with shapes and dtypes in place of values (nothing is computed)."""
-    try:  # a class's own signature (NNX's metaclass takes *args) is its __init__'s, less self
-        if isinstance(build, type):
-            inspect.signature(build.__init__).bind(None)
-        else:
-            inspect.signature(build).bind()
-    except TypeError as e:  # a TypeError raised inside the constructor is the user's own, and passes as it is
-        raise TypeError(f"parallelize: model is called with no arguments to build the module, and {kind_of(build)} "
-                        f"needs some ({e}); pass lambda: {getattr(build, '__name__', 'Model')}(cfg, "
-                        "rngs=nnx.Rngs(0))") from None
-    except ValueError:  # no signature to read (a builtin): calling it will tell
-        pass
-    try:
-        model = nnx.eval_shape(build)
-    except flax.errors.TraceContextError as e:
-        raise ValueError("parallelize: the constructor uses NNX state made outside it (an nnx.Rngs or a module "
-                         "created before the lambda), which it may not change while it is traced; make everything "
-                         "inside it, lambda: Model(..., rngs=nnx.Rngs(0)). It runs more than once (shapes, then "
-                         f"values), so it must build the same module each time ({e})") from None
-    if not isinstance(model, nnx.Module):
-        raise TypeError(f"parallelize: the constructor returned {kind_of(model)}, not a Flax nnx.Module")
+    matched = _match(model, mesh, plan, default)
+    params = _place(model, matched, mesh, rules)
+    units = _units(matched, params)
+    values = _build(model, build, mesh, params)
+    _install(matched, params, values, units)
     return model
 
 
@@ -245,8 +164,7 @@ def _styles(s: Any, where: str) -> tuple[ParallelStyle, ...]:
             fix = ("styles (ColwiseParallel('tp'), FullyShard('dp'), ...) say how a module's parameters and "
                    "activations are placed; to place one parameter yourself annotate it with nnx.with_partitioning")
         else:
-            fix = ("use ColwiseParallel, RowwiseParallel, SequenceParallel, DataParallel or FullyShard, e.g. "
-                   "ColwiseParallel('tp')")
+            fix = f"use one of {', '.join(c.__name__ for c in style_classes())}, e.g. ColwiseParallel('tp')"
         raise TypeError(f"parallelize: {where} holds {style!r} ({type(style).__name__}), which is not a parallel "
                         f"style; {fix}")
     return styles
@@ -273,6 +191,164 @@ def _rules(rules: Any, mesh: Mesh) -> dict[str, Any]:
                              "logical name one target")
         table[name] = target
     return table
+
+
+def _abstract(build: Callable[[], nnx.Module]) -> nnx.Module:
+    """The module ``build()`` makes, with shapes and dtypes in place of values (nothing is computed)."""
+    try:  # a class's own signature (NNX's metaclass takes *args) is its __init__'s, less self
+        if isinstance(build, type):
+            inspect.signature(build.__init__).bind(None)
+        else:
+            inspect.signature(build).bind()
+    except TypeError as e:  # a TypeError raised inside the constructor is the user's own, and passes as it is
+        raise TypeError(f"parallelize: model is called with no arguments to build the module, and {kind_of(build)} "
+                        f"needs some ({e}); pass lambda: {getattr(build, '__name__', 'Model')}(cfg, "
+                        "rngs=nnx.Rngs(0))") from None
+    except ValueError:  # no signature to read (a builtin): calling it will tell
+        pass
+    try:
+        model = nnx.eval_shape(build)
+    except flax.errors.TraceContextError as e:
+        raise ValueError("parallelize: the constructor uses NNX state made outside it (an nnx.Rngs or a module "
+                         "created before the lambda), which it may not change while it is traced; make everything "
+                         "inside it, lambda: Model(..., rngs=nnx.Rngs(0)). It runs more than once (shapes, then "
+                         f"values), so it must build the same module each time ({e})") from None
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"parallelize: the constructor returned {kind_of(model)}, not a Flax nnx.Module")
+    return model
+
+
+class _Matched(NamedTuple):
+    """The plan matched on a model: every module by path, the default styles, and each module's own styles."""
+
+    modules: dict[tuple, nnx.Module]
+    default: tuple[ParallelStyle, ...]
+    styles: dict[tuple, tuple[ParallelStyle, ...]]
+
+
+class _Placed(NamedTuple):
+    """One parameter: its Variable and path, its value (a built model's, or the abstract one's shape), the path of
+    the module holding it, its placements, and per mesh axis the style placing it and the unit gathering it."""
+
+    var: nnx.Variable
+    path: tuple
+    value: Any
+    owner: tuple
+    placements: tuple[Placement, ...]
+    placing: dict[str, tuple[ParallelStyle, tuple]]
+
+
+def _match(model: nnx.Module, mesh: Mesh, plan: dict[str, tuple[ParallelStyle, ...]],
+           default: tuple[ParallelStyle, ...]) -> _Matched:
+    """Step 1, the plan: each module's styles, from every pattern matching its path, checked against the mesh and
+    the module (a style that constrains calls needs a module that is called)."""
+    names = list(mesh.axis_names)
+    modules = {path: node for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)}
+    styles, used = {}, set()
+    for path, module in modules.items():  # every module gets an entry: default styles may gather its params
+        key = _key(path)
+        patterns = [p for p in plan if fnmatch.fnmatchcase(key, p)]
+        used.update(patterns)
+        styles[path] = _matched(plan, patterns, key)
+        _check_axes(default + styles[path], names, mesh, key)
+        constrains = [s for s in styles[path] if s.constrains]
+        if constrains and not callable(module):
+            raise ValueError(f"parallelize: {constrains[0]} at {key or 'the root module'} constrains the input and "
+                             f"output of {type(module).__name__}, which is never called (it has no __call__); match "
+                             "the modules inside it instead (say 'blocks/*')")
+    unused = [p for p in plan if p not in used]
+    if unused:
+        raise ValueError(f"parallelize: plan pattern(s) {unused} match no module; module paths are "
+                         f"{sorted(_key(p) for p in modules if p)[:12]}")
+    return _Matched(modules, default, styles)
+
+
+def _place(model: nnx.Module, matched: _Matched, mesh: Mesh, rules: dict[str, Any]) -> list[_Placed]:
+    """Step 2, the placements: per parameter and mesh axis, the style placing it there (see ``_placing``), else its
+    Flax sharding annotation, else Replicate."""
+    names = list(mesh.axis_names)
+    placed = []
+    for path, var in nnx.iter_graph(model):
+        if not isinstance(var, nnx.Param):
+            continue
+        owner = next(path[:i] for i in range(len(path) - 1, -1, -1) if path[:i] in matched.modules)
+        value = var.get_value()
+        full = value.full() if isinstance(value, DArray) else value
+        shape = tuple(full.shape)
+        placements = list(_annotated(var, mesh, shape, full.dtype, rules))
+        placing = _placing(owner, matched.default, matched.styles)
+        for style, _ in placing.values():
+            placements[names.index(style.axis)] = _param(style, matched.modules[owner], owner, str(path[-1]), shape)
+        placements = _fsdp_inside(placements, [s for s, _ in placing.values()], mesh)
+        placed.append(_Placed(var, path, full, owner, tuple(placements), placing))
+    return placed
+
+
+def _units(matched: _Matched, params: list[_Placed]) -> dict[tuple, tuple]:
+    """Step 3, FSDP's units: per module gathering parameters while it runs, each one's path below it and its
+    ``(mesh axis, compute placement)`` pairs, in ``nnx.iter_graph`` order."""
+    gathers: dict[tuple, dict[tuple, list]] = {}
+    for p in params:
+        for style, unit in p.placing.values():
+            if style.compute is not None:
+                gathers.setdefault(unit, {}).setdefault(p.path[len(unit):], []).append((style.axis, style.compute))
+    for unit in gathers:  # a default unit never called is gathered where used; a matched one would mislead
+        gathering = [s for s in matched.styles[unit] if s.compute is not None]
+        if gathering and not callable(matched.modules[unit]):
+            raise ValueError(f"parallelize: {type(gathering[0]).__name__} at {_key(unit) or 'the root module'} "
+                             f"gathers the parameters inside it when {type(matched.modules[unit]).__name__} is called, "
+                             "and it is never called (it has no __call__); match the modules it holds instead, one "
+                             "unit each (say {f'blocks/{i}': FullyShard('dp') for i in range(layers)})")
+    return {unit: tuple((rel, tuple(axes)) for rel, axes in g.items()) for unit, g in gathers.items()}
+
+
+def _build(model: nnx.Module, build: Callable[[], nnx.Module] | None, mesh: Mesh,
+           params: list[_Placed]) -> list[DArray]:
+    """Step 4, the values: a built model's parameters distributed from where they are; a constructor's computed in
+    their placements, its other state (RNG streams) going into the abstract model."""
+    if build is None:
+        return [distribute(p.value, mesh, list(p.placements)) for p in params]
+    values, other = initialise(build, mesh, [p.placements for p in params])
+    nnx.update(model, other)
+    return values
+
+
+def _install(matched: _Matched, params: list[_Placed], values: list[DArray], units: dict[tuple, tuple]) -> None:
+    """Step 5, the change, all at once: each parameter takes its DArray, and each callable module that constrains
+    its calls, gathers a unit or holds parameters (the model itself among them) takes a class whose ``__call__``
+    does so and runs eagerly on DArrays."""
+    holders = {p.owner[:i] for p in params for i in range(len(p.owner) + 1)}
+    classes = {}
+    for path, styles in matched.styles.items():
+        module = matched.modules[path]
+        if not callable(module):
+            continue
+        constraining = tuple(s for s in styles if s.constrains)
+        base = getattr(type(module), "_unconstrained", type(module))  # parallelizing again replaces, never stacks
+        wrap = constraining or path in units or path in holders
+        classes[path] = _constrained(base, constraining, units.get(path, ())) if wrap else base
+    for p, value in zip(params, values, strict=True):
+        p.var.set_value(value)
+    for path, cls in classes.items():
+        matched.modules[path].__class__ = cls
+
+
+def _key(path: tuple) -> str:
+    """A module's path as plan patterns match it: attribute names and list indices joined by '/'."""
+    return "/".join(map(str, path))
+
+
+def _param(style: ParallelStyle, module: nnx.Module, owner: tuple, name: str, shape: tuple) -> Placement:
+    """``style.param``, its refusal naming the module's path and its answer checked."""
+    try:
+        placement = style.param(module, name, shape)
+    except UnplacedParameter as e:
+        raise e.at(_key(owner)) from None
+    if not isinstance(placement, Placement):
+        raise TypeError(f"parallelize: {style.label}.param gave {placement!r} for parameter {name!r} {shape} of "
+                        f"{type(module).__name__} at {_key(owner) or 'the root module'}; a style's param returns a "
+                        "placement (Replicate(), Shard(d), ...)")
+    return placement
 
 
 def _matched(plan: dict[str, tuple[ParallelStyle, ...]], patterns: list[str], where: str) -> tuple[ParallelStyle, ...]:
@@ -360,36 +436,66 @@ def _placing(owner: tuple, default: tuple, matched: dict) -> dict[str, tuple[Par
 
 
 @memo(1024)
-def _constrained(cls: type, io: tuple, gather: tuple) -> type:
-    """``cls`` whose ``__call__`` constrains its first input and its outputs on the styles' axes, and runs
-    with the parameters it gathers at their compute placements (FSDP's gather, of a unit's parameters
-    together; the gradient is left to find its way back to the shard). ``gather``: per parameter, its path
-    below the module and its ``(axis, compute placement)`` pairs. Called outside ``jshard.jit`` (its parameters
-    DArrays, not tracers), it runs itself through ``jshard.jit`` (see ``_eagerly``)."""
-    inputs = {axis: p for axis, p, _, _ in io if p is not None}
-    outputs = {axis: p for axis, _, p, _ in io if p is not None}
-    pin = all(pin_input for *_, pin_input in io)
+def _constrained(cls: type, styles: tuple[ParallelStyle, ...], gather: tuple) -> type:
+    """``cls`` whose ``__call__`` constrains its inputs and outputs where ``styles`` place them, and runs with the
+    parameters it gathers at their compute placements (FSDP's gather, of a unit's parameters together; the
+    gradient is left to find its way back to the shard). ``gather``: per parameter, its path below the module and
+    its ``(axis, compute placement)`` pairs. Called outside ``jshard.jit`` (its parameters DArrays, not tracers),
+    it runs itself through ``jshard.jit`` (see ``_eagerly``)."""
     computes = [dict(axes) for _, axes in gather]
 
     def __call__(self, *args, **kwargs):
         if _outside_jit(self, args, kwargs):
             return _eagerly(self, args, kwargs)
-        if inputs and args:
-            args = (constrain(args[0], inputs, pin_gradient=pin),) + args[1:]
+        args, kwargs = _constrain_inputs(self, styles, args, kwargs)
         params = [_below(self, rel) for rel, _ in gather]
         stored = [v.get_value() for v in params]
-        for v, value, compute in zip(params, stored, computes):
+        for v, value, compute in zip(params, stored, computes, strict=True):
             v.set_value(constrain(value, compute, pin_gradient=False))
         try:
             out = super(sub, self).__call__(*args, **kwargs)
         finally:
-            for v, value in zip(params, stored):
+            for v, value in zip(params, stored, strict=True):
                 v.set_value(value)
-        return jax.tree.map(lambda o: constrain(o, outputs), out) if outputs else out
+        outputs = {s.axis: p for s in styles if (p := s.outputs(out)) is not None}
+        return _constrain_arrays(out, outputs, True)
 
     sub = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
                                       "__qualname__": cls.__qualname__, "_unconstrained": cls})
     return sub
+
+
+def _constrain_inputs(module: nnx.Module, styles: tuple[ParallelStyle, ...], args: tuple,
+                      kwargs: dict) -> tuple[tuple, dict]:
+    """A call's arguments constrained where the styles place them: one constraint per argument over every axis a
+    style places it on (so the engine plans one move), its gradient pinned unless such a style says not to."""
+    if not styles:
+        return args, kwargs
+    positional, keywords = [[] for _ in args], {k: [] for k in kwargs}
+    for s in styles:
+        at, by_name = s.inputs(args, kwargs)
+        if len(at) != len(args) or not set(by_name) <= set(kwargs):
+            raise TypeError(f"{s.label}.inputs gave {len(at)} positional placements and keywords {sorted(by_name)} "
+                            f"for a call of {type(module).__name__} with {len(args)} positional arguments and keywords "
+                            f"{sorted(kwargs)}; give one per positional argument, and keywords of the call")
+        for picks, p in zip(positional, at, strict=True):
+            picks.append((s, p))
+        for k, p in by_name.items():
+            keywords[k].append((s, p))
+
+    def constrained(value, picks):
+        placing = [(s, p) for s, p in picks if p is not None]
+        pin = all(s.pin_input_gradient for s, _ in placing)
+        return _constrain_arrays(value, {s.axis: p for s, p in placing}, pin)
+
+    return (tuple(constrained(a, picks) for a, picks in zip(args, positional, strict=True)),
+            {k: constrained(v, keywords[k]) for k, v in kwargs.items()})
+
+
+def _constrain_arrays(tree: Any, placements: dict[str, Placement], pin: bool) -> Any:
+    if not placements:
+        return tree
+    return jax.tree.map(lambda a: constrain(a, placements, pin_gradient=pin) if _is_array(a) else a, tree)
 
 
 def _below(module: nnx.Module, path: tuple) -> Any:

@@ -1,42 +1,69 @@
 """Parallel styles: how one module's parameters and activations live on one mesh axis.
 
-A style names a mesh axis and says, for each parameter of the module it is given, the placement on that
-axis, plus the placements the module's input and output are constrained to there (None: whatever the
-engine finds cheapest). Styles on different axes compose: ``[FullyShard("dp"), ColwiseParallel("tp")]``
-shards a kernel's rows over ``dp`` and its columns over ``tp``. Everything else follows from the engine's
-rules — a row-parallel matmul's output is ``Partial(sum)`` and is reduced where the output constraint (or
-the next consumer) asks for it.
+A style names a mesh axis and carries everything ``parallelize`` does with a module it is matched on, behind
+one small interface:
 
-Flax stores a ``Linear`` kernel as ``(in, out)`` (PyTorch: ``(out, in)``), so column parallel shards dim 1
-here where DTensor shards dim 0.
+- ``param(module, name, shape)``: the placement of each parameter on the axis;
+- ``inputs(args, kwargs)`` / ``outputs(out)``: the placements the module's arguments and output are
+  constrained to there while it runs (None: whatever the engine finds cheapest), and ``pin_input_gradient``,
+  whether the input's gradient is constrained like the input;
+- ``compute``: where the module's parameters are while it runs (FSDP: gathered), None for as stored; a style
+  with one also takes the parameters of the modules inside the module it is matched on (FSDP's unit);
+- ``constrains``: whether it changes the module's calls (a module never called cannot take such a style).
+
+A new style is one subclass overriding what it changes; ``parallelize`` needs no edit. Styles on different
+axes compose: ``[FullyShard("dp"), ColwiseParallel("tp")]`` shards a kernel's rows over ``dp`` and its columns
+over ``tp``. Everything else follows from the engine's rules: a row-parallel matmul's output is
+``Partial(sum)`` and is reduced where the output constraint (or the next consumer) asks for it.
+
+Column and row parallel place Flax's own layers by what their dims mean (``layout``): the output features
+of a ``Linear``, ``LinearGeneral``, ``Einsum``, ``Conv`` kernel (a ``MultiHeadAttention``'s query, key and
+value over heads) for column parallel, its input features for row parallel (the attention's ``out`` over
+heads: Megatron's plan). Flax stores a ``Linear`` kernel as ``(in, out)`` (PyTorch: ``(out, in)``), so
+column parallel shards dim 1 here where DTensor shards dim 0.
 
 A style is checked when it is made: the axis must be a name, ``input`` / ``output`` placements (or None),
-dims ints — a mistake shows up where the plan is written, not inside a training step.
+``dim`` an int where a style has one: a mistake shows up where the plan is written, not inside a training step.
 
 >>> from flax import nnx
 >>> lin = nnx.Linear(8, 16, rngs=nnx.Rngs(0))
 >>> ColwiseParallel("tp").param(lin, "kernel", (8, 16)), RowwiseParallel("tp").param(lin, "bias", (16,))
 (S(1), R)
+>>> query = nnx.LinearGeneral(8, (4, 2), rngs=nnx.Rngs(0))  # (in, heads, head_dim)
+>>> ColwiseParallel("tp").param(query, "kernel", (8, 4, 2)), ColwiseParallel("tp").param(query, "bias", (4, 2))
+(S(1), S(0))
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar, NamedTuple
 
+import jax
+import numpy as np
+from flax import nnx
+
+from ..darray import DArray
 from ..placements import Placement, Replicate, Shard
 
-__all__ = ["ColwiseParallel", "DataParallel", "FullyShard", "ParallelStyle", "RowwiseParallel", "SequenceParallel"]
+__all__ = ["ColwiseParallel", "DataParallel", "FullyShard", "Layout", "ParallelStyle", "RowwiseParallel",
+           "SequenceParallel", "UnplacedParameter", "layout", "style_classes"]
 
 R = Replicate()
 
 
 @dataclass(frozen=True)
 class ParallelStyle:
-    """Base of the styles: ``axis`` is the mesh axis name; ``input`` / ``output`` constrain the module's first
-    positional input and its output on that axis (None leaves them to the engine). Gradients are constrained
-    like the values, except the input gradient where ``pin_input_gradient`` is False. ``compute`` is where the
-    module's own parameters are while it runs (FSDP: gathered)."""
+    """Base of the styles: ``axis`` is the mesh axis name; ``input`` / ``output`` constrain the module's
+    positional array arguments and its output on that axis (None leaves them to the engine). Gradients are
+    constrained like the values, except the input gradient where ``pin_input_gradient`` is False. ``compute``
+    is where the module's own parameters are while it runs (FSDP: gathered). Used as it is, it places every
+    parameter Replicate and only constrains activations.
+
+    >>> ParallelStyle("tp", output=Replicate()).outputs(None), ParallelStyle("tp").constrains
+    (R, False)
+    """
 
     axis: str = "tp"
     input: Placement | None = None
@@ -52,28 +79,51 @@ class ParallelStyle:
         for which in ("input", "output"):
             value = getattr(self, which)
             if value is not None and not isinstance(value, Placement):
-                raise TypeError(f"{name}({self.axis!r}): {which} must be a placement (Replicate(), Shard(d), ...) or "
-                                f"None, got {value!r} ({type(value).__name__})")
-        dim = getattr(self, "dim", 0)
-        if not isinstance(dim, int) or isinstance(dim, bool):
-            raise TypeError(f"{name}({self.axis!r}): dim must be an int, got {dim!r} ({type(dim).__name__})")
+                raise TypeError(f"{self.label}: {which} must be a placement (Replicate(), Shard(d), ...) or None, "
+                                f"got {value!r} ({type(value).__name__})")
 
-    def param(self, module, name: str, shape: tuple[int, ...]) -> Placement:
-        """The placement on ``self.axis`` of parameter ``name`` (of ``shape``) of ``module``."""
+    def param(self, module: nnx.Module, name: str, shape: tuple[int, ...]) -> Placement:
+        """The placement on ``self.axis`` of parameter ``name`` (of ``shape``) of ``module``; raise
+        ``self.refuse(...)`` for one it cannot place."""
         return R
 
-    def _unknown(self, module, name, shape):
-        return ValueError(
-            f"{type(self).__name__}({self.axis!r}): no placement for parameter {name!r} {tuple(shape)} of "
-            f"{type(module).__name__}; it knows Linear-like 'kernel'/'bias' and Embed-like 'embedding'. "
-            "Give this module another style, or distribute the parameter yourself")
+    def inputs(self, args: tuple, kwargs: dict) -> tuple[tuple[Placement | None, ...], dict[str, Placement | None]]:
+        """The placements on ``self.axis`` of a call's arguments: one per positional argument and one per keyword
+        (left out: None), each applied to every array inside that argument. By default ``input`` for each
+        positional array argument (a ``MultiHeadAttention``'s query, key and value inputs alike), keywords (masks,
+        flags) left alone."""
+        return tuple(self.input if _is_array(a) else None for a in args), {}
+
+    def outputs(self, out: Any) -> Placement | None:
+        """The placement on ``self.axis`` of every array the module returns (None: left to the engine)."""
+        return self.output
+
+    @property
+    def constrains(self) -> bool:
+        """Whether the style constrains the module's calls (its inputs or outputs): by ``input`` / ``output``, or
+        by its own ``inputs`` / ``outputs`` (a style that overrides them is taken to use them)."""
+        own = type(self).inputs is not ParallelStyle.inputs or type(self).outputs is not ParallelStyle.outputs
+        return own or self.input is not None or self.output is not None
+
+    @property
+    def label(self) -> str:
+        """How errors name the style: ``ColwiseParallel('tp')``."""
+        return f"{type(self).__name__}({self.axis!r})"
+
+    def refuse(self, module: nnx.Module, name: str, shape: tuple[int, ...], why: str = "") -> UnplacedParameter:
+        """The error for a parameter this style cannot place (``why``: what it looked for, by default which
+        layers it knows); raise it from ``param``. ``parallelize`` adds the module's path."""
+        layers = ", ".join(c.__name__ for c in _LAYOUTS)
+        return UnplacedParameter(self, module, name, shape, why or (
+            f"it places Flax's {layers} by what their dims mean, and another module's 'kernel' (in, ..., out), "
+            "rank-1 'bias' and 'embedding' (vocab, features)"))
 
 
 @dataclass(frozen=True)
 class ColwiseParallel(ParallelStyle):
-    """Column parallel: a kernel ``(in, out)`` sharded on ``out`` (and its bias), an embedding table
-    ``(vocab, features)`` on ``features``. The input is replicated on the axis (a sequence-sharded input is
-    gathered first, as DTensor does), the output comes out sharded on its last dim.
+    """Column parallel: a kernel sharded on its (first) output-feature dim, its bias likewise; an embedding
+    table on ``features``; a norm's scale and bias replicated. The input is replicated on the axis (a
+    sequence-sharded input is gathered first, as DTensor does), the output comes out sharded on its features.
 
     >>> ColwiseParallel("tp").input
     R
@@ -84,19 +134,21 @@ class ColwiseParallel(ParallelStyle):
     pin_input_gradient: ClassVar[bool] = False
 
     def param(self, module, name, shape):
-        if name in ("kernel", "embedding") and len(shape) >= 2:
-            return Shard(len(shape) - 1)
-        if name == "bias" and len(shape) == 1:
-            return Shard(0)
-        raise self._unknown(module, name, shape)
+        dims = layout(module, name, shape)
+        if dims is not None and dims.kind == "norm":
+            return R
+        if dims is None or not dims.outputs:
+            raise self.refuse(module, name, shape, _why(module, dims, "output"))
+        return Shard(dims.outputs[0])
 
 
 @dataclass(frozen=True)
 class RowwiseParallel(ParallelStyle):
-    """Row parallel: a kernel ``(in, out)`` sharded on ``in`` with its bias replicated (added once, after the
-    reduction); an embedding table sharded on ``vocab`` (the vocabulary-parallel embedding: each device looks
-    up the ids it owns, the rest add zeros). The output is reduced to ``output``: Replicate (an all-reduce)
-    or, for sequence parallelism, ``Shard(1)`` (a reduce-scatter).
+    """Row parallel: a kernel sharded on its (first) input-feature dim with its bias replicated (added once,
+    after the reduction); an embedding table sharded on ``vocab`` (the vocabulary-parallel embedding: each
+    device looks up the ids it owns, the rest add zeros); a norm's scale and bias replicated. The output is
+    reduced to ``output``: Replicate (an all-reduce) or, for sequence parallelism, ``Shard(1)`` (a
+    reduce-scatter).
 
     >>> RowwiseParallel("tp", output=Shard(1)).output
     S(1)
@@ -105,11 +157,12 @@ class RowwiseParallel(ParallelStyle):
     output: Placement | None = R
 
     def param(self, module, name, shape):
-        if name in ("kernel", "embedding") and len(shape) >= 2:
-            return Shard(0)
-        if name == "bias":
+        dims = layout(module, name, shape)
+        if dims is not None and dims.kind in ("norm", "bias"):
             return R
-        raise self._unknown(module, name, shape)
+        if dims is None or not dims.inputs:
+            raise self.refuse(module, name, shape, _why(module, dims, "input"))
+        return Shard(dims.inputs[0])
 
 
 @dataclass(frozen=True)
@@ -128,13 +181,14 @@ class SequenceParallel(ParallelStyle):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _check_dim(self)
         object.__setattr__(self, "input", Shard(self.dim))
         object.__setattr__(self, "output", Shard(self.dim))
 
 
 @dataclass(frozen=True)
 class DataParallel(ParallelStyle):
-    """Data parallel on one axis: parameters replicated, the input's batch dim (``dim``) sharded. Gradients
+    """Data parallel on one axis: parameters replicated, the inputs' batch dim (``dim``) sharded. Gradients
     come out ``Partial(sum)`` over the axis and are all-reduced once each where the step pins them.
 
     >>> DataParallel("dp").input
@@ -147,6 +201,7 @@ class DataParallel(ParallelStyle):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _check_dim(self)
         object.__setattr__(self, "input", Shard(self.dim))
 
 
@@ -172,5 +227,178 @@ class FullyShard(ParallelStyle):
     dim: int = 0
     compute: ClassVar[Placement | None] = R  # gathered while the module runs, one module at a time
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_dim(self)
+
     def param(self, module, name, shape):
         return Shard(self.dim % len(shape)) if -len(shape) <= self.dim < len(shape) else R
+
+
+class Layout(NamedTuple):
+    """What a parameter's dims mean: ``kind`` is ``"weight"`` (a kernel), ``"bias"``, ``"table"`` (an embedding)
+    or ``"norm"`` (a norm's scale or bias); ``inputs`` are its dims over the features the layer reads (a kernel's
+    contracted dims, a table's vocabulary), ``outputs`` those over the features it makes, outermost first."""
+
+    kind: str
+    inputs: tuple[int, ...] = ()
+    outputs: tuple[int, ...] = ()
+
+
+def layout(module: nnx.Module, name: str, shape: tuple[int, ...]) -> Layout | None:
+    """What the dims of ``module``'s parameter ``name`` (of ``shape``) mean, read from the Flax layer's own
+    attributes (``LinearGeneral``'s batch, input and output features, ``Einsum``'s equation, ``Conv``'s window);
+    for a module Flax does not define, guessed from the name: ``kernel`` (in, ..., out), ``bias``, ``embedding``
+    (vocab, features). None where neither tells.
+
+    >>> from flax import nnx
+    >>> out = nnx.LinearGeneral((4, 2), 8, axis=(-2, -1), rngs=nnx.Rngs(0))  # (heads, head_dim, out)
+    >>> layout(out, "kernel", (4, 2, 8))
+    Layout(kind='weight', inputs=(0, 1), outputs=(2,))
+    """
+    shape = tuple(shape)
+    for cls, read in _LAYOUTS.items():
+        if isinstance(module, cls):
+            return read(module, name, shape)
+    return _by_name(name, shape)
+
+
+def style_classes() -> list[type[ParallelStyle]]:
+    """Every public subclass of ``ParallelStyle`` defined so far, jshard's and the user's, in definition order.
+
+    >>> [c.__name__ for c in style_classes()][:3]
+    ['ColwiseParallel', 'RowwiseParallel', 'SequenceParallel']
+    """
+    found, todo = [], list(ParallelStyle.__subclasses__())
+    while todo:
+        cls = todo.pop(0)
+        if cls not in found:
+            found.append(cls)
+            todo.extend(cls.__subclasses__())
+    return [c for c in found if not c.__name__.startswith("_")]
+
+
+class UnplacedParameter(ValueError):
+    """A style cannot place a parameter: names the style, the module (its path, once ``at`` gave it), its class,
+    the parameter's name and shape, and what to do."""
+
+    def __init__(self, style: ParallelStyle, module: nnx.Module, name: str, shape: tuple[int, ...], why: str,
+                 where: str | None = None):
+        self.style, self.module, self.name, self.shape, self.why = style, module, name, tuple(shape), why
+        at = "" if where is None else f" at {where or 'the root module'}"
+        super().__init__(
+            f"{style.label}: no placement for parameter {name!r} {self.shape} of {type(module).__name__}{at}; {why}. "
+            "Give this module another style (SequenceParallel and FullyShard place any parameter), match the "
+            "modules inside it instead, or leave it out of the plan and annotate the parameter with "
+            "nnx.with_partitioning")
+
+    def at(self, where: str) -> UnplacedParameter:
+        """The same error naming the module's path."""
+        return UnplacedParameter(self.style, self.module, self.name, self.shape, self.why, where)
+
+
+def _check_dim(style: ParallelStyle) -> None:
+    dim = style.dim
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise TypeError(f"{style.label}: dim must be an int, got {dim!r} ({type(dim).__name__})")
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, DArray))
+
+
+def _why(module: nnx.Module, dims: Layout | None, side: str) -> str:
+    """Why a layer's parameter has no dim over its ``side`` features to cut ("" : the style's general answer)."""
+    if isinstance(module, nnx.Conv) and module.feature_group_count > 1 and side == "input":
+        return ("a grouped Conv's kernel holds each group's input channels, so cutting it does not cut the input's; "
+                "use ColwiseParallel (output channels)")
+    if dims is None:
+        return ""
+    return f"its dims are {dims}, none of them over the {side} features"
+
+
+def _span(start: int, n: int) -> tuple[int, ...]:
+    return tuple(range(start, start + n))
+
+
+def _linear(module, name, shape):
+    if name == "kernel" and len(shape) == 2:
+        return Layout("weight", (0,), (1,))
+    if name == "bias" and len(shape) == 1:
+        return Layout("bias", (), (0,))
+    return None
+
+
+def _linear_general(module, name, shape):
+    # kernel (*batch, *in_features, *out_features), bias (*batch, *out_features)
+    batch, ins, outs = len(module.batch_axis), len(module.in_features), len(module.out_features)
+    if name == "kernel" and len(shape) == batch + ins + outs:
+        return Layout("weight", _span(batch, ins), _span(batch + ins, outs))
+    if name == "bias" and len(shape) == batch + outs:
+        return Layout("bias", (), _span(batch, outs))
+    return None
+
+
+def _einsum(module, name, shape):
+    # the kernel is the equation's second operand: its letters that only the input has are contracted, those only
+    # the output has are features it makes; the bias holds the kernel's letters that the output keeps, in its order.
+    # The equation is the construction's: a call that passes another one is not seen here
+    equation = module.einsum_str.replace(" ", "")
+    operands, _, result = equation.partition("->")
+    operands = operands.split(",")
+    if len(operands) != 2 or "." in operands[1]:
+        return None
+    lhs, rhs = operands
+    if name == "kernel" and len(shape) == len(rhs):
+        return Layout("weight", tuple(i for i, c in enumerate(rhs) if c in lhs and c not in result),
+                      tuple(i for i, c in enumerate(rhs) if c in result and c not in lhs))
+    kept = [c for c in result if c in rhs]
+    if name == "bias" and len(shape) == len(kept):
+        return Layout("bias", (), tuple(i for i, c in enumerate(kept) if c not in lhs))
+    return None
+
+
+def _conv(module, name, shape):
+    # kernel (*window, in_features / groups, out_features): a grouped kernel's input dim is within a group, so
+    # cutting it does not cut the input's channels
+    window = len(module.kernel_size)
+    if name == "kernel" and len(shape) == window + 2:
+        return Layout("weight", (window,) if module.feature_group_count == 1 else (), (window + 1,))
+    if name == "bias" and len(shape) == 1:
+        return Layout("bias", (), (0,))
+    return None
+
+
+def _conv_transpose(module, name, shape):
+    window = len(module.kernel_size)  # kernel (*window, in, out), or (*window, out, in) with transpose_kernel
+    if name == "kernel" and len(shape) == window + 2:
+        ins, outs = (window + 1, window) if module.transpose_kernel else (window, window + 1)
+        return Layout("weight", (ins,), (outs,))
+    if name == "bias" and len(shape) == 1:
+        return Layout("bias", (), (0,))
+    return None
+
+
+def _embed(module, name, shape):
+    return Layout("table", (0,), (1,)) if name == "embedding" and len(shape) == 2 else None
+
+
+def _norm(module, name, shape):
+    return Layout("norm") if name in ("scale", "bias") else None
+
+
+def _by_name(name, shape):
+    if name == "kernel" and len(shape) >= 2:
+        return Layout("weight", (0,), (len(shape) - 1,))
+    if name == "embedding" and len(shape) >= 2:
+        return Layout("table", (0,), (len(shape) - 1,))
+    if name == "bias":
+        return Layout("bias", (), (0,) if len(shape) == 1 else ())
+    return None
+
+
+_LAYOUTS: dict[type, Callable[[nnx.Module, str, tuple], Layout | None]] = {
+    nnx.Linear: _linear, nnx.LinearGeneral: _linear_general, nnx.Einsum: _einsum, nnx.Conv: _conv,
+    nnx.ConvTranspose: _conv_transpose, nnx.Embed: _embed,
+    **dict.fromkeys((nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm, nnx.BatchNorm, nnx.InstanceNorm), _norm),
+}

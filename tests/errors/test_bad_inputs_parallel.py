@@ -43,6 +43,27 @@ def gpt() -> GPT:
     return GPT(V, D, H, L, T, rngs=nnx.Rngs(0))
 
 
+class Gain(nnx.Module):
+    """A learned gain per feature: a module of the user's own, whose parameter no style can tell the dims of."""
+
+    def __init__(self, n: int):
+        self.gain = nnx.Param(jnp.linspace(0.5, 1.5, n))
+
+    def __call__(self, x):
+        return x * self.gain[...]
+
+
+class GainGPT(GPT):
+    """The GPT with a gain on its logits, held last (``zgain``: parameters are placed in path order)."""
+
+    def __init__(self):
+        super().__init__(V, D, H, L, T, rngs=nnx.Rngs(0))
+        self.zgain = Gain(V)
+
+    def __call__(self, ids):
+        return self.zgain(super().__call__(ids))
+
+
 def ids() -> np.ndarray:
     return np.arange(B * T, dtype=np.int32).reshape(B, T) % V
 
@@ -127,10 +148,11 @@ PARALLELIZE = [
     ("two-styles-one-axis", gpt,
      lambda m, mesh: parallelize(m, mesh, {"head": [ColwiseParallel("tp"), RowwiseParallel("tp")]}), ValueError,
      "both place head on mesh axis 'tp'"),
-    # the style fails on the last modules, after blocks/* and head were placed: nothing may have changed
-    ("style-cannot-place-late", gpt,
-     lambda m, mesh: parallelize(m, mesh, {**plan("tp")[0], "ln": ColwiseParallel("tp")}, default=FullyShard("dp")),
-     ValueError, r"ColwiseParallel\('tp'\): no placement for parameter 'scale' \(8,\) of LayerNorm"),
+    # the style fails on the last module, after blocks/*, head and ln were placed: nothing may have changed
+    ("style-cannot-place-late", GainGPT,
+     lambda m, mesh: parallelize(m, mesh, {**plan("tp")[0], "zgain": ColwiseParallel("tp")}, default=FullyShard("dp")),
+     ValueError, r"ColwiseParallel\('tp'\): no placement for parameter 'gain' \(16,\) of Gain at zgain; it places "
+                 r"Flax's Linear, LinearGeneral, .* by what their dims mean.*Give this module another style"),
     ("style-on-uncalled-list", gpt, lambda m, mesh: parallelize(m, mesh, {"blocks": SequenceParallel("tp")}),
      ValueError, "constrains the input and output of List, which is never called"),
 ]
@@ -251,16 +273,17 @@ def test_training_refuses_bad_input_and_leaves_the_model(call, exc, match):
 
 
 def test_a_failing_parallelize_leaves_the_model_as_it_was():
-    # before: blocks/* and head became DArrays before the LayerNorm's style failed, and the half-converted
+    # before: blocks/* and head became DArrays before the last module's style failed, and the half-converted
     # model could neither run nor be parallelized again
-    model = gpt()
+    model = GainGPT()
     want, before = run(model, ids()), snapshot(model)
     mesh = make_mesh((2, 4))
-    with pytest.raises(ValueError, match="'scale'"):
-        parallelize(model, mesh, {**plan("tp")[0], "ln": ColwiseParallel("tp")})
+    with pytest.raises(ValueError, match="'gain'"):
+        parallelize(model, mesh, {**plan("tp")[0], "zgain": ColwiseParallel("tp")})
     assert_untouched(model, before, ids(), want)
     parallelize(model, mesh, plan("tp")[0])  # and the fixed plan goes through
-    assert model.ln.scale.get_value().placements == (R, R)
+    assert model.zgain.gain.get_value().placements == (R, R)
+    assert_close(model(ids()).full(), want, n=summed_terms(V, D, L, T, B))
 
 
 def test_parallelizing_again_replaces_the_styles():

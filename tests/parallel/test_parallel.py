@@ -1,6 +1,8 @@
 """``jshard.parallel`` on a Flax NNX GPT: placements by style, values and training against one device."""
 
 import collections
+from dataclasses import dataclass
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -10,15 +12,17 @@ import pytest
 from flax import nnx
 
 import jshard
-from conftest import make_mesh
+from conftest import make_mesh, mesh_params
 from jshard import Replicate, Shard, StridedShard
 from jshard.gpt import GPT, cross_entropy, one_device_trainer, plan, summed_terms
 from jshard.parallel import (
     ColwiseParallel,
     FullyShard,
+    ParallelStyle,
     RowwiseParallel,
     TrainStep,
     init_optimizer,
+    layout,
     parallelize,
     placements_of,
 )
@@ -148,8 +152,6 @@ def test_mistakes_are_named():
         parallelize(gpt(), mesh, {"blocks/*/mlp": ColwiseParallel("tp")})
     with pytest.raises(ValueError, match="both place"):
         parallelize(gpt(), mesh, {"head": [ColwiseParallel("tp"), RowwiseParallel("tp")]})
-    with pytest.raises(ValueError, match=r"parameter 'scale' \(16,\) of LayerNorm"):
-        parallelize(gpt(), mesh, {"ln": ColwiseParallel("tp")})
     with pytest.raises(ValueError, match=r"FullyShard at blocks gathers .* List is called, and it is never called"):
         parallelize(gpt(), mesh, {"blocks": FullyShard("dp")})
 
@@ -372,3 +374,70 @@ def test_loss_parallel_cross_entropy_never_gathers_the_logits():
         assert not [m for m in moves if m[1] in ("all_gather", "all_reduce")]
     loss = jshard.jit(loss_fn, out_placements=(R, R))(model, *args)
     assert_close(loss.full(), loss_fn(make(), ids, labels), n=summed_terms(vocab, D, 1, T, B))
+
+
+@dataclass(frozen=True)
+class FeaturesGathered(ParallelStyle):
+    """A style defined here, not in jshard: ZeRO-3 over features. Each kernel and bias is stored cut on its first
+    ``dim`` features ("outputs" or "inputs": a dim that is not an int, which only the styles defining an int one
+    check), gathered while the module runs, the modules inside the one matched gathered together; every positional
+    input and the output are batch-sharded."""
+
+    axis: str = "dp"
+    dim: str = "outputs"
+    compute: ClassVar = R
+
+    def param(self, module, name, shape):
+        dims = getattr(layout(module, name, shape), self.dim, ())
+        return Shard(dims[0]) if dims else R
+
+    def inputs(self, args, kwargs):
+        return tuple(Shard(0) for _ in args), {}
+
+    def outputs(self, out):
+        return Shard(0)
+
+
+class Bilinear(nnx.Module):
+    def __init__(self, rngs):
+        self.a, self.b = nnx.Linear(4, 8, rngs=rngs), nnx.Linear(4, 8, rngs=rngs)
+
+    def __call__(self, x, y):
+        return self.a(x) * self.b(y)
+
+
+@pytest.mark.parametrize("mesh_shape", mesh_params([(2, 4), (1, 8), (1,)]))
+@pytest.mark.parametrize("dim", ["outputs", "inputs"])
+def test_a_style_defined_outside_jshard_carries_its_whole_behaviour(mesh_shape, dim):
+    """A new style is one class: parallelize places its parameters, constrains both inputs and the output, and
+    gathers the unit, with no edit to jshard; forward and gradients are one device's."""
+    mesh = make_mesh(mesh_shape)
+    axis = mesh.axis_names[0]
+    model = parallelize(Bilinear(nnx.Rngs(0)), mesh, {"": FeaturesGathered(axis, dim=dim)})
+    rest = (R,) * (len(mesh_shape) - 1)
+    assert model.a.kernel.get_value().placements == (Shard(1 if dim == "outputs" else 0),) + rest
+    assert model.b.bias.get_value().placements == ((Shard(0) if dim == "outputs" else R),) + rest
+    x = np.linspace(-1, 1, 32, dtype=np.float32).reshape(8, 4)
+    y = x[::-1] * 2
+    rows = jshard.explain(lambda m, x, y: m(x, y), model, x, y).rows
+    batch = (Shard(0) if mesh.shape[axis] > 1 else R,) + rest  # a size-1 axis holds values whole: R
+    dots = [r["ins"][0].placements for r in rows if "Linear.__call__" in r["source"] and r["ins"][0].shape == (8, 4)]
+    assert dots == [batch] * 2  # both inputs, not only the first, arrive batch-sharded
+    gathers = [m for r in rows for m in r["moves"] if m[1] == "all_gather"]
+    assert len(gathers) == (4 if dim == "outputs" else 2) * (mesh.shape[axis] > 1)  # every cut parameter, whole
+    out = jshard.jit(lambda m, x, y: m(x, y))(model, x, y)
+    assert out.placements == (Shard(0),) + rest
+    plain = Bilinear(nnx.Rngs(0))
+    assert_close(out.full(), plain(x, y), n=4)
+    loss = lambda m, x, y: jnp.mean(m(x, y) ** 2)  # noqa: E731
+    grads = jshard.jit(nnx.grad(loss))(model, x, y)
+    want = nnx.grad(loss)(plain, x, y)
+    for g, w in zip(jax.tree.leaves(grads, is_leaf=lambda a: isinstance(a, jshard.DArray)), jax.tree.leaves(want),
+                    strict=True):
+        assert_close(g.full(), w, n=4 + 64, terms=tree_scale(want))
+
+
+def test_the_styles_an_error_offers_are_those_defined():
+    with pytest.raises(TypeError, match=r"use one of ColwiseParallel, RowwiseParallel, SequenceParallel, "
+                                        r"DataParallel, FullyShard, .*FeaturesGathered"):
+        parallelize(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), make_mesh((2, 4)), {"": "gathered"})
