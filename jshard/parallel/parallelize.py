@@ -51,7 +51,7 @@ from ..darray import DArray, distribute
 from ..jaxcompat import source_info_util
 from ..placements import Placement, Replicate
 from ..spec import Spec, format_mesh, shard_order
-from .initialise import initialise
+from .initialise import Constructor, initialise, trace_constructor
 from .styles import ParallelStyle, UnplacedParameter, _is_array, style_classes
 
 __all__ = ["parallelize", "placements_of"]
@@ -68,13 +68,13 @@ def parallelize(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh,
     the NNX module), or a built module (changed in place and returned).
 
     **Large models: pass the constructor**, ``parallelize(lambda: GPT(cfg, rngs=nnx.Rngs(0)), mesh, plan)``. The
-    module is first built abstractly (``nnx.eval_shape``: shapes only) to find every parameter's placements; then
-    the constructor is traced once more and its parameters computed by ``jshard.jit`` programs with their
-    placements pinned, identical modules sharing one program called with each module's keys (so the time to
-    compile does not grow with depth; ``jshard.parallel.initialise``). Each device draws only its own blocks of
-    each parameter (no device and no host ever holds a sharded parameter whole) and the values are exactly those
-    of the eager single-device construction. A built module is fine for small models: its parameters are
-    distributed from where they are.
+    constructor is traced once (``jshard.parallel.initialise.trace_constructor``): the abstract module it gives
+    (shapes only) finds every parameter's placements, and its parameters are computed from the same trace by
+    ``jshard.jit`` programs with their placements pinned, identical modules sharing one program called with each
+    module's keys (so the time to compile does not grow with depth; ``jshard.parallel.initialise``). Each device
+    draws only its own blocks of each parameter (no device and no host ever holds a sharded parameter whole) and the
+    values are exactly those of the eager single-device construction. A built module is fine for small models: its
+    parameters are distributed from where they are.
 
     ``plan``: ``{module path pattern: style or [styles]}`` (every pattern matching a module applies to it, its
     styles on different mesh axes composing; two that give one module different styles on one mesh axis are
@@ -103,7 +103,8 @@ def parallelize(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh,
             raise TypeError(f"parallelize: model must be a Flax nnx.Module or a function of no arguments building "
                             f"one (lambda: GPT(cfg, rngs=nnx.Rngs(0))), got {kind_of(model)}; a pytree of arrays is "
                             "placed with jshard.distribute(x, mesh, placements) instead")
-        build, model = model, _abstract(model)
+        build = _traced(model)
+        model = build.module
     if not isinstance(mesh, Mesh):
         raise TypeError(f"parallelize: mesh must be a jax.sharding.Mesh (say jax.make_mesh((2, 4), ('dp', 'tp'))), "
                         f"got {kind_of(mesh)}")
@@ -193,8 +194,9 @@ def _rules(rules: Any, mesh: Mesh) -> dict[str, Any]:
     return table
 
 
-def _abstract(build: Callable[[], nnx.Module]) -> nnx.Module:
-    """The module ``build()`` makes, with shapes and dtypes in place of values (nothing is computed)."""
+def _traced(build: Callable[[], nnx.Module]) -> Constructor:
+    """``build`` traced once: the module it makes, with shapes and dtypes in place of values (nothing is computed),
+    and what ``initialise`` computes the values from."""
     try:  # a class's own signature (NNX's metaclass takes *args) is its __init__'s, less self
         if isinstance(build, type):
             inspect.signature(build.__init__).bind(None)
@@ -207,15 +209,12 @@ def _abstract(build: Callable[[], nnx.Module]) -> nnx.Module:
     except ValueError:  # no signature to read (a builtin): calling it will tell
         pass
     try:
-        model = nnx.eval_shape(build)
+        return trace_constructor(build)
     except flax.errors.TraceContextError as e:
         raise ValueError("parallelize: the constructor uses NNX state made outside it (an nnx.Rngs or a module "
                          "created before the lambda), which it may not change while it is traced; make everything "
                          "inside it, lambda: Model(..., rngs=nnx.Rngs(0)). It runs more than once (shapes, then "
                          f"values), so it must build the same module each time ({e})") from None
-    if not isinstance(model, nnx.Module):
-        raise TypeError(f"parallelize: the constructor returned {kind_of(model)}, not a Flax nnx.Module")
-    return model
 
 
 class _Matched(NamedTuple):
@@ -302,8 +301,7 @@ def _units(matched: _Matched, params: list[_Placed]) -> dict[tuple, tuple]:
     return {unit: tuple((rel, tuple(axes)) for rel, axes in g.items()) for unit, g in gathers.items()}
 
 
-def _build(model: nnx.Module, build: Callable[[], nnx.Module] | None, mesh: Mesh,
-           params: list[_Placed]) -> list[DArray]:
+def _build(model: nnx.Module, build: Constructor | None, mesh: Mesh, params: list[_Placed]) -> list[DArray]:
     """Step 4, the values: a built model's parameters distributed from where they are; a constructor's computed in
     their placements, its other state (RNG streams) going into the abstract model."""
     if build is None:
@@ -535,7 +533,7 @@ def _eagerly(module: nnx.Module, args: tuple, kwargs: dict) -> Any:
     traced, everything else (flags like ``deterministic=True``, sizes) is static as in an eager Flax call."""
     leaves, tree = jax.tree.flatten((args, kwargs), is_leaf=is_darray)
     is_array = [isinstance(a, (DArray, jax.Array, np.ndarray, np.generic)) for a in leaves]
-    static = (tree, tuple(_ARRAY if arr else a for a, arr in zip(leaves, is_array)))
-    out, state = _EAGER(module, static, *[a for a, arr in zip(leaves, is_array) if arr])
+    static = (tree, tuple(_ARRAY if arr else a for a, arr in zip(leaves, is_array, strict=True)))
+    out, state = _EAGER(module, static, *[a for a, arr in zip(leaves, is_array, strict=True) if arr])
     nnx.update(module, state)
     return out
