@@ -14,6 +14,7 @@ True
 """
 
 from .api import constrain, explain, jit, same_as
+from .attention import attention
 from .caches import clear_caches
 from .cost import AxisCost, CostModel
 from .darray import DArray, DeletedArrayError, distribute, from_jax, from_local, from_process_local, process_rows
@@ -41,6 +42,7 @@ __all__ = [
     "Step",
     "StridedShard",
     "apply",
+    "attention",
     "clear_caches",
     "constrain",
     "distribute",
