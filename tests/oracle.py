@@ -197,3 +197,12 @@ def valid(placements, mesh_shape, rank) -> bool:
         return True
     except PlacementError:
         return False
+
+
+def tree_scale(tree) -> float:
+    """The largest magnitude in a gradient (or parameter) tree: what every element's rounding is relative to. A
+    gradient that is zero up to rounding (the key bias's: softmax ignores a constant shift) sums terms of the
+    network's scale, not of its own."""
+    import jax
+
+    return max(float(np.max(np.abs(np.asarray(a)))) for a in jax.tree.leaves(tree))

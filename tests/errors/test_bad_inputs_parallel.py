@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from modules import Gain
 
 import jshard
 from conftest import make_mesh
@@ -41,16 +42,6 @@ def linear() -> nnx.Linear:
 
 def gpt() -> GPT:
     return GPT(V, D, H, L, T, rngs=nnx.Rngs(0))
-
-
-class Gain(nnx.Module):
-    """A learned gain per feature: a module of the user's own, whose parameter no style can tell the dims of."""
-
-    def __init__(self, n: int):
-        self.gain = nnx.Param(jnp.linspace(0.5, 1.5, n))
-
-    def __call__(self, x):
-        return x * self.gain[...]
 
 
 class GainGPT(GPT):

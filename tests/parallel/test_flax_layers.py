@@ -15,8 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from test_bad_inputs_parallel import Gain
-from test_parallel import tree_scale
+from modules import Gain
 
 import jshard
 from conftest import make_mesh, mesh_params
@@ -32,7 +31,7 @@ from jshard.parallel import (
     placements_of,
 )
 from jshard.validate.tolerance import curve_ratio
-from oracle import assert_close
+from oracle import assert_close, tree_scale
 
 R = Replicate()
 V, D, H, L, T, B = 32, 32, 8, 2, 8, 4  # 8 heads: tp over 4 or 8 devices keeps whole heads on each

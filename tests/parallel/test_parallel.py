@@ -27,7 +27,7 @@ from jshard.parallel import (
     placements_of,
 )
 from jshard.validate.tolerance import curve_ratio
-from oracle import assert_close
+from oracle import assert_close, tree_scale
 
 R = Replicate()
 V, D, H, L, T, B = 48, 16, 4, 2, 8, 4  # heads divisible by tp=4: attention stays head-parallel
@@ -45,13 +45,6 @@ def batch(seed=0):
 
 def loss_fn(model, ids, labels):
     return cross_entropy(model(ids), labels)
-
-
-def tree_scale(tree) -> float:
-    """The largest magnitude in a gradient (or parameter) tree: what every element's rounding is relative to. A
-    gradient that is zero up to rounding (the key bias's: softmax ignores a constant shift) sums terms of the
-    network's scale, not of its own."""
-    return max(float(np.max(np.abs(np.asarray(a)))) for a in jax.tree.leaves(tree))
 
 
 def test_styles_place_parameters_per_mesh_axis():
