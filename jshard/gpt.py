@@ -121,7 +121,7 @@ def plan(style: str, dp: str = "dp", tp: str = "tp") -> tuple[dict, tuple]:
 
 def one_device_trainer(model: nnx.Module, tx: optax.GradientTransformation, loss_fn):
     """The same training with plain ``jax.jit`` on one device (the reference the demo and the notebooks
-    compare with): returns ``step(*batch) -> loss`` as a float.
+    compare with): returns ``step(*batch) -> loss`` as a float; ``step.params()`` are the parameters so far.
 
     >>> step = one_device_trainer(GPT(32, 16, 2, 1, 8, rngs=nnx.Rngs(0)), optax.sgd(0.1),
     ...                           lambda m, ids: cross_entropy(m(ids), ids))
@@ -142,4 +142,5 @@ def one_device_trainer(model: nnx.Module, tx: optax.GradientTransformation, loss
         state[0], state[1], loss = update(*state, *batch)
         return float(loss)
 
+    step.params = lambda: state[0]
     return step

@@ -20,7 +20,7 @@ from modules import Gain
 import jshard
 from conftest import make_mesh, mesh_params
 from jshard import Replicate, Shard, StridedShard
-from jshard.gpt import cross_entropy, summed_terms
+from jshard.gpt import cross_entropy, one_device_trainer, summed_terms
 from jshard.parallel import (
     ColwiseParallel,
     FullyShard,
@@ -99,20 +99,8 @@ def loss_fn(model, ids, labels):
 
 
 def one_device_training(tx: optax.GradientTransformation, steps: int) -> tuple[list[float], nnx.State]:
-    graphdef, params, rest = nnx.split(transformer(), nnx.Param, ...)
-    opt_state = tx.init(params)
-
-    @jax.jit
-    def step(params, opt_state, ids, labels):
-        loss, g = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest), ids, labels))(params)
-        updates, opt_state = tx.update(g, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    losses = []
-    for _ in range(steps):
-        params, opt_state, loss = step(params, opt_state, *batch(0))
-        losses.append(float(loss))
-    return losses, params
+    step = one_device_trainer(transformer(), tx, loss_fn)
+    return [step(*batch(0)) for _ in range(steps)], step.params()
 
 
 def test_multi_head_attention_is_placed_over_heads():

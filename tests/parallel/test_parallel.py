@@ -1,6 +1,5 @@
 """``jshard.parallel`` on a Flax NNX GPT: placements by style, values and training against one device."""
 
-import collections
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -27,7 +26,7 @@ from jshard.parallel import (
     placements_of,
 )
 from jshard.validate.tolerance import curve_ratio
-from oracle import assert_close, tree_scale
+from oracle import assert_close, stablehlo_collectives, tree_scale
 
 R = Replicate()
 V, D, H, L, T, B = 48, 16, 4, 2, 8, 4  # heads divisible by tp=4: attention stays head-parallel
@@ -191,12 +190,6 @@ def test_loss_and_gradients_match_one_device(mesh_shape, style):
         assert_close(g.full(), w, n=N, terms=tree_scale(want))
 
 
-def _stablehlo(text):
-    import re
-
-    return collections.Counter(re.findall(r"stablehlo\.(all_reduce|reduce_scatter)", text))
-
-
 @pytest.mark.parametrize("style,kind", [("tp", "all_reduce"), ("sp", "reduce_scatter")])
 def test_row_parallel_outputs_reduce_once_per_attention_and_mlp(style, kind):
     mesh = make_mesh((2, 4))
@@ -212,24 +205,13 @@ def test_row_parallel_outputs_reduce_once_per_attention_and_mlp(style, kind):
     assert len(outs) == 2 * L + 1
     if style == "tp":  # and nothing else in the forward pass communicates (Megatron's count)
         assert len([m for r in ex.rows for m in r["moves"]]) == 2 * L + 1
-        assert _stablehlo(jshard.jit(lambda m, x: m(x)).lower(model, x).as_text()) == {"all_reduce": 2 * L + 1}
+        lowered = jshard.jit(lambda m, x: m(x)).lower(model, x).as_text()
+        assert stablehlo_collectives(lowered) == {"all_reduce": 2 * L + 1}
 
 
 def _reference_training(tx, steps):
-    graphdef, params, rest = nnx.split(gpt(), nnx.Param, ...)
-    opt_state = tx.init(params)
-
-    @jax.jit
-    def step(params, opt_state, ids, labels):
-        loss, g = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest), ids, labels))(params)
-        updates, opt_state = tx.update(g, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    losses = []
-    for i in range(steps):
-        params, opt_state, loss = step(params, opt_state, *batch(i))
-        losses.append(float(loss))
-    return losses, params
+    step = one_device_trainer(gpt(), tx, loss_fn)
+    return [step(*batch(i)) for i in range(steps)], step.params()
 
 
 @pytest.mark.parametrize("style", ["tp", pytest.param("sp", marks=pytest.mark.slow), "fsdp",
@@ -330,7 +312,7 @@ def test_a_training_step_moves_each_parameter_once(style, kernel_us, want):
     assert counts == {k: {"modules": modules, "params": n, "params+1": n + 1}.get(v, v) for k, v in want.items()}
     moves = [(m[1], shared) for r in ex.rows for m, shared in zip(r["moves"], r["shared"])]
     assert sum(shared for kind, shared in moves if kind == "reduce_scatter") == (n if style == "fsdp" else 0)
-    lowered = _stablehlo(step.lower(*args).as_text())
+    lowered = stablehlo_collectives(step.lower(*args).as_text())
     assert {k: v for k, v in lowered.items() if v} == {k: v for k, v in counts.items() if k in lowered}
 
 
