@@ -14,7 +14,7 @@ True
 """
 
 from .api import constrain, explain, jit, same_as
-from .attention import attention
+from .attention import attention, attention_method
 from .caches import clear_caches
 from .cost import AxisCost, CostModel
 from .darray import DArray, DeletedArrayError, distribute, from_jax, from_local, from_process_local, process_rows
@@ -43,6 +43,7 @@ __all__ = [
     "StridedShard",
     "apply",
     "attention",
+    "attention_method",
     "clear_caches",
     "constrain",
     "distribute",

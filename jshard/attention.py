@@ -41,8 +41,10 @@ True
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -56,16 +58,27 @@ from .placements import Partial, Replicate
 from .rules.functions import function
 from .rules.registry import ShardPlaceholder
 
-__all__ = ["attention"]
+__all__ = ["METHODS", "attention", "attention_method"]
+
+METHODS = ("auto", "ring", "all_gather", "all_to_all")
+_METHOD: contextvars.ContextVar[str | tuple] = contextvars.ContextVar("jshard_attention_method", default="auto")
 
 
 def attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, bias: ArrayLike | None = None,
-              mask: ArrayLike | None = None, *, scale: float | None = None, is_causal: bool = False) -> jax.Array:
+              mask: ArrayLike | None = None, *, scale: float | None = None, is_causal: bool = False,
+              method: str | Mapping[str, str] | None = None) -> jax.Array:
     """Scaled dot-product attention, ``jax.nn.dot_product_attention``'s contract, with sequence-parallel rules.
 
     ``query`` is ``[batch, q_seq, heads, head_dim]``, ``key`` / ``value`` ``[batch, kv_seq, kv_heads, head_dim]``
     (``heads`` a multiple of ``kv_heads``; rank 3 drops the batch dim), ``bias`` / boolean ``mask`` broadcastable
     to ``[batch, heads, q_seq, kv_seq]``; ``scale`` defaults to ``1/sqrt(head_dim)``.
+
+    ``method`` says how a sequence-sharded mesh axis is crossed under ``jshard.jit``: ``"ring"``,
+    ``"all_gather"``, ``"all_to_all"`` (Ulysses: sequence -> heads and back) or ``"auto"`` (the cost model
+    chooses). A string offers only that sequence method, beside the batch and heads placements (which any axis
+    may still take, where they are cheaper); a mapping ``{axis: method}`` pins each named axis to its method,
+    forward and backward. None takes the innermost ``attention_method`` context's (by default ``"auto"``). It
+    never changes the result.
 
     >>> import numpy as np
     >>> q = np.ones((1, 4, 2, 8), np.float32)
@@ -81,17 +94,46 @@ def attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, bias: ArrayLik
     extras = {name: _as_4d(name, a, q, k) for name, a in (("bias", bias), ("mask", mask)) if a is not None}
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    scale, is_causal = float(scale), bool(is_causal)
+    scale, is_causal, method = float(scale), bool(is_causal), _checked_method(method)
     if extras:
         out = _attention_masked(q, k, v, extras.get("bias"), extras.get("mask"), scale=scale, is_causal=is_causal,
-                                with_bias="bias" in extras, with_mask="mask" in extras)
+                                method=method, with_bias="bias" in extras, with_mask="mask" in extras)
     else:
-        out = _attention(q, k, v, scale=scale, is_causal=is_causal)
+        out = _attention(q, k, v, scale=scale, is_causal=is_causal, method=method)
     return out[0] if unbatched else out
+
+
+@contextlib.contextmanager
+def attention_method(method: str | Mapping[str, str]) -> Iterator[None]:
+    """Within the block, ``attention`` calls that give no ``method`` cross sequence-sharded axes by ``method``
+    (one of ``METHODS``, or ``{axis: method}``; see ``attention``). ``jshard.parallel.ContextParallel`` sets it
+    around the module it is matched on.
+
+    >>> with attention_method({"cp": "ring"}):
+    ...     _METHOD.get()
+    (('cp', 'ring'),)
+    """
+    token = _METHOD.set(_checked_method(method, "attention_method"))
+    try:
+        yield
+    finally:
+        _METHOD.reset(token)
 
 
 # ---------------------------------------------------------------------------------------------------
 # errors
+
+
+def _checked_method(method: str | Mapping[str, str] | None, where: str = "attention") -> str | tuple:
+    """``method`` as the equation carries it: a string, or ``{axis: method}`` as sorted pairs (hashable)."""
+    if method is None:
+        return _METHOD.get()
+    pairs = sorted(method.items()) if isinstance(method, Mapping) else [(None, method)]
+    for axis, m in pairs:
+        if m not in METHODS or not (axis is None or isinstance(axis, str)):
+            raise ValueError(f"jshard.{where}: method {method!r} must be one of {', '.join(map(repr, METHODS))}, "
+                             f"or a dict of mesh axis names to them")
+    return tuple(pairs) if isinstance(method, Mapping) else method
 
 
 def _shapes(*arrays) -> str:
@@ -142,9 +184,10 @@ def _as_4d(name: str, a, q, k):
 # kv_heads, head_dim] (key, value, their gradients), "bias": [batch, heads, q_seq, kv_seq] (bias, mask).
 
 
-def _tuples(roles: Sequence[str], arrays: Sequence, n_out: int, grouped: bool) -> list[tuple]:
+def _tuples(roles: Sequence[str], arrays: Sequence, n_out: int, grouped: bool, method: str) -> list[tuple]:
     """The batch, heads, all-gather and ring tuples for arrays with these roles (outputs first, ``n_out`` of
-    them). Under the all-gather, a "kv" output is a gradient: each device's part of a sum over the axis."""
+    them), the sequence ones as ``method`` allows. Under the all-gather, a "kv" output is a gradient: each
+    device's part of a sum over the axis."""
     R, Φ = Replicate(), ShardPlaceholder
 
     def tup(q, kv, kv_out, bias):
@@ -164,7 +207,11 @@ def _tuples(roles: Sequence[str], arrays: Sequence, n_out: int, grouped: bool) -
         rows.append(tup(heads, heads, heads, Φ(1, even=grouped)))
     if arrays[0].shape[0] > 1:
         rows.append(tup(Φ(0), Φ(0), Φ(0), Φ(0)))
-    return rows + [tup(Φ(1), R, Partial(), Φ(2)), tup(Φ(1), Φ(1), Φ(1), Φ(2))]
+    if method in ("auto", "all_gather") or isinstance(method, tuple):  # pairs: _pinned vetoes per axis
+        rows.append(tup(Φ(1), R, Partial(), Φ(2)))
+    if method in ("auto", "ring") or isinstance(method, tuple):
+        rows.append(tup(Φ(1), Φ(1), Φ(1), Φ(2)))
+    return rows
 
 
 def _grouped(q, k) -> bool:
@@ -173,13 +220,31 @@ def _grouped(q, k) -> bool:
 
 def _forward_strategies(ins, outs, params):
     roles = ["q"] * len(outs) + ["q", "kv", "kv"] + ["bias"] * (len(ins) - 3)
-    return _tuples(roles, list(outs) + list(ins), len(outs), _grouped(ins[0], ins[1]))
+    return _tuples(roles, list(outs) + list(ins), len(outs), _grouped(ins[0], ins[1]), params["method"])
 
 
 def _backward_strategies(ins, outs, params):
     # outs: dq, dk, dv; ins: q, k, v, out, lse, cotangent
     roles = ["q", "kv", "kv", "q", "kv", "kv", "q", "q", "q"]
-    return _tuples(roles, list(outs) + list(ins), 3, _grouped(ins[0], ins[1]))
+    return _tuples(roles, list(outs) + list(ins), 3, _grouped(ins[0], ins[1]), params["method"])
+
+
+def _pinned(params, ins, outs) -> bool:
+    """Every axis that ``{axis: method}`` pins runs its method: ring (queries and keys sequence-sharded there),
+    all-gather (queries sequence-sharded, keys whole) or all-to-all (heads sharded there)."""
+    if not isinstance(params["method"], tuple):
+        return True
+    q, k = ins[0], ins[1]
+    for axis, m in params["method"]:
+        if m == "auto" or q.mesh.shape.get(axis, 1) == 1:
+            continue
+        qp, kp = (s.placements[s.mesh.axis_names.index(axis)] for s in (q, k))
+        on = {"ring": qp.is_shard and qp.dim == 1 and kp.is_shard and kp.dim == 1,
+              "all_gather": qp.is_shard and qp.dim == 1 and not kp.is_shard,
+              "all_to_all": qp.is_shard and qp.dim == 2}[m]
+        if not on:
+            return False
+    return True
 
 
 def _forward_traffic(params, ins, outs) -> list[Communication]:
@@ -201,13 +266,13 @@ def _backward_traffic(params, ins, outs) -> list[Communication]:
 # the registered functions: one equation each; the plain one's backward pass is a unit too
 
 
-def _attention_vjp_fwd(q, k, v, *, scale, is_causal):
-    out, lse = _attention_fwd(q, k, v, scale=scale, is_causal=is_causal)
+def _attention_vjp_fwd(q, k, v, *, scale, is_causal, method):
+    out, lse = _attention_fwd(q, k, v, scale=scale, is_causal=is_causal, method=method)
     return out, (q, k, v, out, lse)
 
 
-def _attention_vjp_bwd(residuals, cotangent, *, scale, is_causal):
-    return tuple(_attention_bwd(*residuals, cotangent, scale=scale, is_causal=is_causal))
+def _attention_vjp_bwd(residuals, cotangent, *, scale, is_causal, method):
+    return tuple(_attention_bwd(*residuals, cotangent, scale=scale, is_causal=is_causal, method=method))
 
 
 def _forward_local(params, ins, outs):
@@ -230,24 +295,27 @@ def _backward_local(params, ins, outs):
     return run
 
 
-@function(_forward_strategies, local=_forward_local, communicates=_forward_traffic, name="attention_fwd")
-def _attention_fwd(q, k, v, *, scale, is_causal):
+@function(_forward_strategies, local=_forward_local, communicates=_forward_traffic, check=_pinned,
+          name="attention_fwd")
+def _attention_fwd(q, k, v, *, scale, is_causal, method):
     return _forward_kernel(q, k, v, None, None, *_whole(q, k), scale, is_causal)
 
 
-@function(_backward_strategies, local=_backward_local, communicates=_backward_traffic, name="attention_bwd")
-def _attention_bwd(q, k, v, out, lse, ct, *, scale, is_causal):
+@function(_backward_strategies, local=_backward_local, communicates=_backward_traffic, check=_pinned,
+          name="attention_bwd")
+def _attention_bwd(q, k, v, out, lse, ct, *, scale, is_causal, method):
     return _backward_kernel(q, k, v, out, lse, ct, *_whole(q, k), scale, is_causal)
 
 
-@function(_forward_strategies, local=_forward_local, communicates=_forward_traffic, name="attention",
+@function(_forward_strategies, local=_forward_local, communicates=_forward_traffic, check=_pinned, name="attention",
           vjp=(_attention_vjp_fwd, _attention_vjp_bwd))
-def _attention(q, k, v, *, scale, is_causal):
+def _attention(q, k, v, *, scale, is_causal, method):
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=is_causal)
 
 
-@function(_forward_strategies, local=_forward_local, communicates=_forward_traffic, name="attention_masked")
-def _attention_masked(q, k, v, bias, mask, *, scale, is_causal, with_bias, with_mask):
+@function(_forward_strategies, local=_forward_local, communicates=_forward_traffic, check=_pinned,
+          name="attention_masked")
+def _attention_masked(q, k, v, bias, mask, *, scale, is_causal, method, with_bias, with_mask):
     # with_bias / with_mask tell the local form which of bias and mask its extra blocks are (a None has no leaf)
     return jax.nn.dot_product_attention(q, k, v, bias, mask, scale=scale, is_causal=is_causal)
 
