@@ -43,7 +43,7 @@ from .cost import CostModel
 from .placements import Placement, Replicate, partial_ops_mix
 from .planner import model_in_force
 from .rules.registry import Column, Rule, fill, rule_for
-from .spec import Spec, dim_layout
+from .spec import Spec, dim_layout, format_mesh
 
 __all__ = ["Aval", "Choice", "alternatives", "select", "offered"]
 
@@ -286,8 +286,9 @@ class Selection:
         self.rule = rule_for(name)
         # the shard kinds to fill placeholders with: the inputs' and those consumers want (an input-free draw
         # such as random_bits or iota can then be made sharded where its consumers are)
-        kinds = sorted({p.split_factor for s in in_specs + tuple(w for w in want or () if w is not None)
-                        for p in s.placements if p.is_shard})
+        # and plain Shard always: a rule whose inputs are all strided on one dim may still shard another plainly
+        kinds = sorted({1} | {p.split_factor for s in in_specs + tuple(w for w in want or () if w is not None)
+                              for p in s.placements if p.is_shard})
         frozen, outs_key = keys if keys is not None else (params_key(params), _avals_key(out_avals))
         ckey = (name, frozen, tuple((s.shape, s.dtype) for s in in_specs), outs_key, consts, tuple(kinds))
         cached = _COLUMNS.get(ckey)
@@ -426,7 +427,10 @@ class Selection:
         if self.rule is not None and self.rule.communicates is not None:
             # its own collectives are priced per N-D strategy, after the per-axis search: the cheapest of the
             # first combinations, whose moves cost least, wins
-            return min(self.search(pops=COMMUNICATING_POPS), key=lambda c: c.cost)
+            found = list(self.search(pops=COMMUNICATING_POPS))
+            if not found:
+                raise self._vetoed()
+            return min(found, key=lambda c: c.cost)
         # fast path: the inputs already match a rule on every axis (and no consumer asks for more)
         firsts = []
         for m in self.active:
@@ -440,8 +444,18 @@ class Selection:
                 return Choice(cand[0], cand[1], 0.0, self.rule)
         for choice in self.search():
             return choice
-        raise AssertionError(f"no valid strategy for '{self.name}' on {self.in_specs}: all-Replicate must be "
-                             "valid")
+        raise self._vetoed()
+
+    def _vetoed(self) -> ValueError:
+        """No combination holds: only a rule's own check can veto them all (all-Replicate is always offered)."""
+        check = getattr(self.rule, "check", None)
+        why = " ".join((check.__doc__ or "").split("\n\n")[0].split()) if check is not None else ""
+        return ValueError(
+            f"{self.name}: no placement on {format_mesh(self.mesh)} satisfies the rule for inputs "
+            f"{', '.join(map(str, self.in_specs))}: its check ({getattr(check, '__qualname__', check)}) vetoes every "
+            f"combination{f' ({why})' if why else ''}. The call asks for what these shapes cannot do on this mesh "
+            "(for attention: a method pinned to an axis whose size the heads or the sequence do not allow); "
+            "loosen it, or change the shapes or the mesh")
 
     def search(self, pops: float = math.inf):
         """The valid combinations, cheapest first, as Choices (at most ``pops`` combinations are looked at)."""
