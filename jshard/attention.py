@@ -14,26 +14,40 @@ rule offers, per mesh axis:
   log-sum-exp), so no ``[q_block, kv_seq]`` score matrix is ever whole;
 - **ring**: queries, keys and values sharded on the sequence; the key/value blocks travel around the axis with
   ``ppermute`` (keys and values as one buffer: one permute a step) while each device folds them into its running
-  softmax; the backward pass rotates them again with their gradients, which end on their owners. Its collectives
-  are declared (``communicates``), so the selection weighs them against the all-gather's moves;
+  softmax. Each step sends the next block on *before* folding the held one, so the transfer may overlap the
+  computation; the backward pass rotates the blocks again with their gradients, each gradient a step behind its
+  block (sent on as the next step begins, again before the computation), and one more step takes the gradients
+  home. Its collectives are declared (``communicates``), so the selection weighs them against the all-gather's;
 - **all-to-all** (Ulysses) needs no code of its own: from sequence-sharded inputs the heads tuple is reached by
   the engine's ``all_to_all`` moves (sequence -> heads, and back for the output), and the selection prices it
   like any other move.
 
-Sequence-sharded blocks know their global positions (``jshard.local``), so causal masking compares global
-positions and padding of unevenly sharded sequences is never attended; with ``is_causal`` and no ``mask``, a key
-block lying wholly after every query of the block is skipped. ``bias`` and ``mask`` are sharded along the query
-sequence with the queries (or Replicate where they broadcast there); along the key sequence they stay whole and
-each device takes the columns of the key block it holds. Gradients: without ``bias`` / ``mask`` the backward pass
-is a unit of its own with the same four ways to run; with them JAX differentiates the body (``bias`` gets its
-gradient), planned equation by equation.
+Blocks and the causal skip: a device cuts its queries into square blocks (a quarter of its query block, at most
+512 rows) and each key/value block it sees into chunks as long, and scores one (query block, key chunk) pair at
+a time with the running max, sum and output kept per query row: no device holds more than a ``[block, block]``
+score matrix per head. Every block knows its global positions (``jshard.local``), so causal masking compares
+global positions and padding of unevenly sharded sequences is never attended; with ``is_causal`` and no
+``mask``, a pair whose keys all come after its queries is skipped.
+
+Layouts and load balance: with the sequence cut into contiguous blocks (``Shard(1)``), device ``i`` of ``N``
+skips every key block after its own and computes every one before it, so under ``is_causal`` the last device
+does about twice the average work (the one that sets the step time). ``balanced(length, N)`` is the striped
+layout (``StridedShard``: token ``t`` on device ``t % N``): every device then holds early and late positions,
+its query block against any key block is lower-triangular in local order, the pairs above the diagonal are
+skipped and every device computes the same number of pairs. ``load(q_spec, k_spec, is_causal)`` counts them
+per device with the kernel's own block size and skip rule. Position embeddings and masks see the striped
+tokens' global positions (``jshard.local.global_index``).
+
+``bias`` and ``mask`` are sharded along the query sequence with the queries (or Replicate where they broadcast
+there); along the key sequence they stay whole and each device takes the columns of the key chunk it holds.
+Gradients: without ``bias`` / ``mask`` the backward pass is a unit of its own with the same four ways to run;
+with them JAX differentiates the body (``bias`` gets its gradient), planned equation by equation.
 
 >>> import jax, numpy as np, jshard
->>> from jshard import Shard
 >>> rng = np.random.default_rng(0)
 >>> q, k, v = (rng.normal(size=(2, 64, 4, 8)).astype(np.float32) for _ in range(3))
 >>> mesh = jax.make_mesh((8,), ("sp",))
->>> args = [jshard.distribute(a, mesh, [Shard(1)]) for a in (q, k, v)]
+>>> args = [jshard.distribute(a, mesh, [balanced(64, 8)]) for a in (q, k, v)]
 >>> out = jshard.jit(lambda q, k, v: attention(q, k, v, is_causal=True))(*args)
 >>> bool(np.allclose(out.full(), jax.nn.dot_product_attention(q, k, v, is_causal=True), atol=1e-5))
 True
@@ -45,6 +59,7 @@ import contextlib
 import contextvars
 import math
 from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -54,11 +69,15 @@ from jax.typing import ArrayLike
 
 from .cost import Communication
 from .local import axis_index, global_index
-from .placements import Partial, Replicate
+from .placements import Partial, Placement, Replicate, Shard, StridedShard
 from .rules.functions import function
 from .rules.registry import ShardPlaceholder
 
-__all__ = ["METHODS", "attention", "attention_method"]
+if TYPE_CHECKING:
+    from .darray import DArray
+    from .spec import Spec
+
+__all__ = ["METHODS", "attention", "attention_method", "balanced", "load"]
 
 METHODS = ("auto", "ring", "all_gather", "all_to_all")
 _METHOD: contextvars.ContextVar[str | tuple] = contextvars.ContextVar("jshard_attention_method", default="auto")
@@ -107,17 +126,68 @@ def attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, bias: ArrayLik
 def attention_method(method: str | Mapping[str, str]) -> Iterator[None]:
     """Within the block, ``attention`` calls that give no ``method`` cross sequence-sharded axes by ``method``
     (one of ``METHODS``, or ``{axis: method}``; see ``attention``). ``jshard.parallel.ContextParallel`` sets it
-    around the module it is matched on.
+    around the module it is matched on. A mapping inside a mapping adds its axes to the outer one's.
 
-    >>> with attention_method({"cp": "ring"}):
+    >>> with attention_method({"cp": "ring"}), attention_method({"sp": "all_gather"}):
     ...     _METHOD.get()
-    (('cp', 'ring'),)
+    (('cp', 'ring'), ('sp', 'all_gather'))
     """
-    token = _METHOD.set(_checked_method(method, "attention_method"))
+    method, outer = _checked_method(method, "attention_method"), _METHOD.get()
+    if isinstance(method, tuple) and isinstance(outer, tuple):
+        method = tuple(sorted({**dict(outer), **dict(method)}.items()))
+    token = _METHOD.set(method)
     try:
         yield
     finally:
         _METHOD.reset(token)
+
+
+def balanced(length: int, size: int) -> Placement:
+    """The causal load-balanced layout of a sequence dim (dim 1) of ``length`` over a mesh axis of ``size``
+    devices: stripes of ``size`` tokens, token ``t`` on device ``t % size`` (``StridedShard(1, ceil(length /
+    size))``; ``Shard(1)`` where that is one stripe). Every device then holds early and late positions alike, so
+    under ``is_causal`` each one computes the same number of score blocks (see ``load``). Where ``size`` does
+    not divide ``length`` the last stripe is short (for lengths under ``size * (size - 1)`` the stripes may be
+    shorter than ``size``: ``StridedShard``'s blocks are cut like ``torch.chunk``).
+
+    >>> balanced(4096, 8), balanced(30, 8), balanced(4096, 1)
+    (SS(1,512), SS(1,4), S(1))
+    """
+    if not (isinstance(length, (int, np.integer)) and isinstance(size, (int, np.integer)) and length >= 1
+            and size >= 1):
+        raise ValueError(f"jshard.attention.balanced: length ({length!r}) and size ({size!r}) must be positive "
+                         f"ints: the sequence length and the number of devices on the mesh axis")
+    stripes = -(-int(length) // int(size))
+    return Shard(1) if stripes == 1 or size == 1 else StridedShard(1, stripes)
+
+
+def load(q_spec: Spec | DArray, k_spec: Spec | DArray, is_causal: bool) -> np.ndarray:
+    """Per device (an array of the mesh's shape), the number of score blocks ``attention``'s kernel computes
+    for queries laid out as ``q_spec`` and keys as ``k_spec`` (``DArray``s or their ``.spec``s, the sequence
+    on dim 1, no user ``mask``): every (query block, key chunk) pair of every key block the device sees (the
+    ring's blocks where the keys are sharded on the sequence, the whole keys where they are not), less the
+    pairs the causal skip leaves out. It reads the kernel's own block size and skip rule.
+
+    >>> import jax, jshard
+    >>> mesh = jax.make_mesh((4,), ("cp",), devices=jax.devices()[:4])
+    >>> x = np.zeros((1, 64, 2, 8), np.float32)
+    >>> striped, blocks = (jshard.distribute(x, mesh, [p]) for p in (balanced(64, 4), Shard(1)))
+    >>> load(striped, striped, is_causal=True), load(blocks, blocks, is_causal=True)
+    (array([40, 40, 40, 40]), array([10, 26, 42, 58]))
+    """
+    q_spec, k_spec = (getattr(s, "spec", s) for s in (q_spec, k_spec))
+    table = _key_table(k_spec)
+    layout = q_spec.layouts[1]
+    size = _block(layout.shape[-1])
+    keys = np.stack([_cut(row, min(size, table.shape[1]), np) for row in table])  # [blocks, chunks, keys]
+    counts = np.zeros(q_spec.mesh_shape, np.int64)
+    for coords in np.ndindex(*q_spec.mesh_shape):
+        queries = _cut(layout[coords], size, np)
+        if is_causal:
+            counts[coords] = np.sum(~_skipped(queries[None, :, None], keys[:, None], np))
+        else:
+            counts[coords] = queries.shape[0] * keys.shape[0] * keys.shape[1]
+    return counts
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -323,11 +393,50 @@ def _attention_masked(q, k, v, bias, mask, *, scale, is_causal, method, with_bia
 # ---------------------------------------------------------------------------------------------------
 # internals: the per-device computation
 #
-# Scores are [batch, kv_heads, group, q_block, kv_chunk] in float32; a chunk is at most as long as the device's
-# query block, so no device holds more than a [q_block, q_block] score block per head. Keys and values travel as
-# one [batch, kv_block, 2 * kv_heads, head_dim] buffer.
+# A device cuts its query block into square blocks of ``_block`` rows and every key/value block it visits into
+# chunks of as many keys (fewer where the keys are shorter), and scores one (query block, key chunk) pair at a
+# time: [batch, kv_heads, group, rows, keys] in float32. The running max, sum and accumulator live per query row,
+# so a pair only reads and writes its rows. Keys and values travel as one [batch, kv_block, 2 * kv_heads,
+# head_dim] buffer.
 
 _MASKED = np.float32(-0.7 * np.finfo(np.float32).max)  # what jax.nn.dot_product_attention gives masked scores
+_MAX_BLOCK = 512  # rows (and keys) of a score block at most: [512, 512] float32 is 1 MiB per head
+_CUTS = 4  # query blocks are cut at least this many ways where they are long enough: the finer, the more of a
+#            causal triangle is skipped (a striped block computes (c + 1) / 2c of its pairs), the coarser, the
+#            fewer steps
+
+
+def _block(length: int) -> int:
+    """Rows of a score block for a local query block of ``length`` (padding included)."""
+    return max(1, min(_MAX_BLOCK, -(-length // _CUTS)))
+
+
+def _cut(pos, size: int, xp):
+    """Positions ``[length]`` -> ``[blocks, size]``, the last block padded with -1 (``xp``: numpy or jax.numpy)."""
+    count = -(-pos.shape[0] // size)
+    return xp.pad(pos, (0, count * size - pos.shape[0]), constant_values=-1).reshape(count, size)
+
+
+def _skipped(qpos, kpos, xp):
+    """Causal, no user mask: is every key of a chunk after every query of a block? Positions on the last axis
+    (-1: padding), the other axes broadcast: ``[q_blocks, 1, size]`` against ``[1, chunks, size]`` gives the
+    ``[q_blocks, chunks]`` table. Such a pair's scores are all masked, and a causal row always sees another key
+    (its own position, or key 0), so leaving it out changes nothing."""
+    first = xp.min(xp.where(kpos >= 0, kpos, np.iinfo(np.int32).max), axis=-1)
+    return first > xp.max(qpos, axis=-1)
+
+
+def _key_table(k_spec) -> np.ndarray:
+    """Global positions of every key block along the ring (``[n, block]``, in ring order; -1: padding)."""
+    axes, n = _ring(k_spec)
+    names = tuple(k_spec.mesh.axis_names)
+    sizes = [k_spec.mesh.shape[a] for a in axes]
+    layout = k_spec.layouts[1]  # mesh shape + (block,); it varies along the ring's axes only
+    rows = []
+    for r in range(n):
+        coords = dict(zip(axes, np.unravel_index(r, sizes), strict=True)) if axes else {}
+        rows.append(layout[tuple(int(coords.get(a, 0)) for a in names)])
+    return np.stack(rows).astype(np.int32)
 
 
 def _ring(spec) -> tuple[tuple[str, ...], int]:
@@ -338,20 +447,13 @@ def _ring(spec) -> tuple[tuple[str, ...], int]:
 
 
 def _positions(q_spec, k_spec):
-    """This device's query positions, the global positions of every key block (``[n, block]``, in ring order;
-    ``-1``: padding), this device's place on the ring, and the ring's axes and length."""
+    """This device's query positions, the key block table (``_key_table``), this device's place on the ring, and
+    the ring's axes and length."""
     axes, n = _ring(k_spec)
-    names = tuple(k_spec.mesh.axis_names)
-    sizes = [k_spec.mesh.shape[a] for a in axes]
-    layout = k_spec.layouts[1]  # mesh shape + (block,); it varies along the ring's axes only
-    rows = []
-    for r in range(n):
-        coords = dict(zip(axes, np.unravel_index(r, sizes), strict=True)) if axes else {}
-        rows.append(layout[tuple(int(coords.get(a, 0)) for a in names)])
     me = 0
-    for a, size in zip(axes, sizes, strict=True):  # row-major over the axes, as ppermute numbers the devices
-        me = me * size + axis_index(a)
-    return global_index(q_spec, 1), jnp.asarray(np.stack(rows).astype(np.int32)), me, axes, n
+    for a in axes:  # row-major over the axes, as ppermute numbers the devices
+        me = me * k_spec.mesh.shape[a] + axis_index(a)
+    return global_index(q_spec, 1), jnp.asarray(_key_table(k_spec)), me, axes, n
 
 
 def _whole(q, k):
@@ -372,8 +474,13 @@ def _rotate(x, axes, n):
     return lax.ppermute(x, axes, [(i, (i + 1) % n) for i in range(n)])
 
 
+def _loop(count: int, body, carry):
+    """``lax.fori_loop(0, count, body, carry)``, inline when there is one step."""
+    return body(0, carry) if count == 1 else lax.fori_loop(0, count, body, carry)
+
+
 def _columns(a, kpos, heads: int, kv_heads: int):
-    """A bias or mask block [b, h, q, kv_seq] -> [b, kv_heads, group, q, chunk]: the chunk's key columns."""
+    """A bias or mask block [b, h, rows, kv_seq] -> [b, kv_heads, group, rows, chunk]: the chunk's key columns."""
     if a.shape[3] != 1:
         a = jnp.take(a, jnp.maximum(kpos, 0), axis=3)
     a = jnp.broadcast_to(a, (a.shape[0], heads) + a.shape[2:])
@@ -381,94 +488,119 @@ def _columns(a, kpos, heads: int, kv_heads: int):
 
 
 class _Chunk:
-    """Scores of the device's queries against one key/value chunk, masked as jax.nn.dot_product_attention masks
-    them; padding keys (position -1) get -inf, so they weigh nothing even in a row whose keys are all masked."""
+    """Scores of a query block against one key/value chunk, masked as jax.nn.dot_product_attention masks them;
+    padding keys (position -1) get -inf, so they weigh nothing even in a row whose keys are all masked."""
 
-    def __init__(self, ctx, kv, kpos):
-        qg, qpos, bias, mask, scale, causal = ctx.qg, ctx.qpos, ctx.bias, ctx.mask, ctx.scale, ctx.causal
-        kv_heads, heads = ctx.kv_heads, ctx.heads
+    def __init__(self, ctx, rows, kv, kpos):
         real = kpos >= 0
         kv = jnp.where(real[None, :, None, None], kv, jnp.zeros((), kv.dtype))  # padding may hold anything
-        self.k, self.v = kv[:, :, :kv_heads], kv[:, :, kv_heads:]
-        s = jnp.einsum("bqkgd,bskd->bkgqs", qg, self.k, preferred_element_type=jnp.float32) * np.float32(scale)
+        self.k, self.v = kv[:, :, :ctx.kv_heads], kv[:, :, ctx.kv_heads:]
+        qpos, bias, mask = rows["qpos"], rows.get("bias"), rows.get("mask")
+        s = jnp.einsum("bqkgd,bskd->bkgqs", rows["q"], self.k, preferred_element_type=jnp.float32)
+        s = s * np.float32(ctx.scale)
         if bias is not None:
-            s = (s + _columns(bias, kpos, heads, kv_heads)).astype(jnp.float32)
+            s = (s + _columns(bias, kpos, ctx.heads, ctx.kv_heads)).astype(jnp.float32)
         allowed = jnp.broadcast_to((qpos >= 0)[:, None], (qpos.shape[0], kpos.shape[0]))
-        if causal:
+        if ctx.causal:
             allowed = allowed & (kpos[None, :] <= qpos[:, None])
         if mask is not None:
-            allowed = allowed & _columns(mask, kpos, heads, kv_heads)
+            allowed = allowed & _columns(mask, kpos, ctx.heads, ctx.kv_heads)
         s = jnp.where(allowed, s, _MASKED)
         self.s = jnp.where(real, s, -jnp.inf)
         self.allowed = allowed & real
 
 
 class _Context:
-    def __init__(self, q, k, bias, mask, qpos, scale, causal):
-        self.heads, self.kv_heads = q.shape[2], k.shape[2]
-        self.qvalid = qpos >= 0
-        self.qg = self.rows(q)
-        self.bias, self.mask, self.qpos, self.scale, self.causal = bias, mask, qpos, scale, causal
+    """A device's query side, cut into blocks of ``size`` rows: every array with a query axis (``rows``: name ->
+    (array, axis)) is padded to whole blocks once, and ``pairs`` hands each (block, chunk) pair its slices."""
 
-    def rows(self, x):
-        """A query-side block, grouped, with its padding rows zeroed (padding may hold anything)."""
-        x = jnp.where(self.qvalid[None, :, None, None], x, jnp.zeros((), x.dtype))
+    def __init__(self, q, k, bias, mask, qpos, scale, causal, **rows):
+        self.heads, self.kv_heads, self.scale, self.causal = q.shape[2], k.shape[2], scale, causal
+        self.skips = causal and mask is None
+        self.length, self.valid = q.shape[1], qpos >= 0
+        self.size = _block(self.length)
+        self.qpos = _cut(qpos, self.size, jnp)  # [blocks, size]
+        self.count = self.qpos.shape[0]
+        self.rows = {"qpos": (self.qpos.reshape(-1), 0)}
+        for name, (a, axis) in dict(rows, q=(self.grouped(q), 1), bias=(bias, 2), mask=(mask, 2)).items():
+            if a is not None:
+                self.rows[name] = (self.padded(a, axis), axis)
+
+    def grouped(self, x):
+        """A [batch, q, heads, ...] array, grouped, its padding rows zeroed (padding may hold anything)."""
+        x = jnp.where(self.valid[None, :, None, None], x, jnp.zeros((), x.dtype))
         return _grouped_heads(x, self.kv_heads)
 
-    def skip(self, kpos):
-        """Is the chunk at ``kpos`` wholly after every query (causal masking, no user mask)? Then it is not
-        computed: its scores would all be masked, and every query row has a key it may see."""
-        if not self.causal or self.mask is not None:
-            return None
-        first = jnp.min(jnp.where(kpos >= 0, kpos, jnp.iinfo(jnp.int32).max))
-        return first > jnp.max(self.qpos)
+    def padded(self, a, axis: int):
+        """``a`` with its query axis padded to whole blocks (a broadcast axis of length 1 stays)."""
+        if a.shape[axis] == 1:
+            return a
+        pad = [(0, 0)] * a.ndim
+        pad[axis] = (0, self.count * self.size - a.shape[axis])
+        return jnp.pad(a, pad)
 
-    def chunks(self, kv, kpos, visit, carry, grads=None):
-        """Fold ``visit(carry, chunk) -> (carry, chunk gradient | None)`` over the held key/value block in chunks
-        no longer than the query block; with ``grads`` (a float32 buffer like ``kv``), each chunk's gradient is
-        added to its rows."""
-        length = kv.shape[1]
-        size = max(1, min(length, self.qpos.shape[0]))
-        count = -(-length // size)
+    def state(self, *shapes_and_fills):
+        """Per-row running state, rows on axis 3 ([batch, kv_heads, group, rows, ...]), padded to whole blocks."""
+        b, _, kh, g = self.rows["q"][0].shape[:4]
+        return tuple(jnp.full((b, kh, g, self.count * self.size) + tail, fill, jnp.float32)
+                     for tail, fill in shapes_and_fills)
 
-        def one(carry, grads, piece, pos, start):
-            def run(carry):
-                return visit(carry, _Chunk(self, piece, pos))
+    def unpadded(self, x):
+        """A per-row state array without its padding rows."""
+        return x[:, :, :, : self.length]
 
-            skip = self.skip(pos)
-            if skip is None:
-                carry, g = run(carry)
-            else:
-                zero = None if grads is None else jnp.zeros(piece.shape, jnp.float32)
-                carry, g = lax.cond(skip, lambda c: (c, zero), run, carry)
-            if grads is not None:
-                grads = lax.dynamic_update_slice_in_dim(
-                    grads, lax.dynamic_slice_in_dim(grads, start, size, 1) + g, start, 1)
-            return carry, grads
+    def pairs(self, kv, kpos, visit, state, grads=None):
+        """Fold ``visit(rows, state, chunk) -> (state, chunk gradient | None)`` over every (query block, key
+        chunk) pair of the held key/value block, skipping the pairs ``_skipped`` names. ``state`` is per-row
+        (made by ``state``; a pair sees its block's rows, as ``rows`` its slices of the query-side arrays); with
+        ``grads`` (a float32 buffer like ``kv``) each chunk's gradient is added to its keys."""
+        size, length = self.size, kv.shape[1]
+        width = min(size, length)
+        kcut = _cut(kpos, width, jnp)
+        chunks = kcut.shape[0]
+        if chunks * width != length:
+            kv = jnp.pad(kv, ((0, 0), (0, chunks * width - length), (0, 0), (0, 0)))
+            grads = None if grads is None else jnp.pad(grads, ((0, 0), (0, chunks * width - length), (0, 0), (0, 0)))
+        skip = _skipped(self.qpos[:, None], kcut[None], jnp) if self.skips else None
 
-        if count == 1:
-            return one(carry, grads, kv, kpos, 0)
-        pad = count * size - length
-        if pad:
-            kv = jnp.pad(kv, ((0, 0), (0, pad), (0, 0), (0, 0)))
-            kpos = jnp.pad(kpos, (0, pad), constant_values=-1)
-            grads = None if grads is None else jnp.pad(grads, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        def block(i, carry):
+            state, grads = carry
+            rows = {name: a if a.shape[axis] == 1 else lax.dynamic_slice_in_dim(a, i * size, size, axis)
+                    for name, (a, axis) in self.rows.items()}
+            mine = tuple(lax.dynamic_slice_in_dim(x, i * size, size, 3) for x in state)
 
-        def step(j, state):
-            start = j * size
-            return one(*state, lax.dynamic_slice_in_dim(kv, start, size, 1),
-                       lax.dynamic_slice_in_dim(kpos, start, size), start)
+            def chunk(j, carry):
+                mine, grads = carry
+                piece = lax.dynamic_slice_in_dim(kv, j * width, width, 1)
 
-        carry, grads = lax.fori_loop(0, count, step, (carry, grads))
-        return carry, None if grads is None else grads[:, :length]
+                def run(mine):
+                    return visit(rows, mine, _Chunk(self, rows, piece, kcut[j]))
+
+                if skip is None:
+                    mine, g = run(mine)
+                else:
+                    zero = None if grads is None else jnp.zeros(piece.shape, jnp.float32)
+                    mine, g = lax.cond(skip[i, j], lambda m: (m, zero), run, mine)
+                if grads is not None:
+                    grads = lax.dynamic_update_slice_in_dim(
+                        grads, lax.dynamic_slice_in_dim(grads, j * width, width, 1) + g, j * width, 1)
+                return mine, grads
+
+            mine, grads = _loop(chunks, chunk, (mine, grads))
+            state = tuple(lax.dynamic_update_slice_in_dim(x, m, i * size, 3) for x, m in zip(state, mine, strict=True))
+            return state, grads
+
+        state, grads = _loop(self.count, block, (state, grads))
+        return state, None if grads is None else grads[:, :length]
 
 
 def _forward_kernel(q, k, v, bias, mask, qpos, ktable, me, axes, n, scale, causal):
-    """(output, log-sum-exp [batch, q, heads]) of this device's queries, the key/value blocks visiting it."""
+    """(output, log-sum-exp [batch, q, heads]) of this device's queries, the key/value blocks visiting it. On the
+    ring the next block is sent on before the held one is folded, so the transfer may overlap the folding."""
     ctx = _Context(q, k, bias, mask, qpos, scale, causal)
-    b, t, kh, g, d = ctx.qg.shape
+    d = q.shape[3]
 
-    def fold(state, chunk):
+    def fold(rows, state, chunk):
         m, total, acc = state
         top = jnp.maximum(m, chunk.s.max(-1))
         shift = jnp.where(jnp.isneginf(top), 0.0, top)  # no real key yet: nothing to rescale
@@ -477,18 +609,16 @@ def _forward_kernel(q, k, v, bias, mask, qpos, ktable, me, axes, n, scale, causa
         pv = jnp.einsum("bkgqs,bskd->bkgqd", p, chunk.v, preferred_element_type=jnp.float32)
         return (top, total * keep + p.sum(-1), acc * keep[..., None] + pv), None
 
-    state = (jnp.full((b, kh, g, t), -jnp.inf, jnp.float32), jnp.zeros((b, kh, g, t), jnp.float32),
-             jnp.zeros((b, kh, g, t, d), jnp.float32))
+    state = ctx.state(((), -jnp.inf), ((), 0.0), ((d,), 0.0))
     kv = jnp.concatenate([k, v], axis=2)
-    state = ctx.chunks(kv, _held(ktable, me, 0, n), fold, state)[0]
     if n > 1:
         def step(s, carry):
             state, kv = carry
-            kv = _rotate(kv, axes, n)
-            return ctx.chunks(kv, _held(ktable, me, s, n), fold, state)[0], kv
+            following = _rotate(kv, axes, n)
+            return ctx.pairs(kv, _held(ktable, me, s, n), fold, state)[0], following
 
-        state = lax.fori_loop(1, n, step, (state, kv))[0]
-    m, total, acc = state
+        state, kv = lax.fori_loop(0, n - 1, step, (state, kv))
+    m, total, acc = (ctx.unpadded(x) for x in ctx.pairs(kv, _held(ktable, me, n - 1, n), fold, state)[0])
     some = total > 0
     total = jnp.where(some, total, 1.0)
     out = acc / total[..., None]
@@ -498,38 +628,52 @@ def _forward_kernel(q, k, v, bias, mask, qpos, ktable, me, axes, n, scale, causa
 
 
 def _backward_kernel(q, k, v, out, lse, ct, qpos, ktable, me, axes, n, scale, causal):
-    """(dq, dk, dv): dq of this device's queries; dk, dv of the key/value block it owns (on the ring: gathered
-    from every device's queries as the block and its gradient travel, then one step home), or, with the keys
-    whole, this device's part of their sum."""
-    ctx = _Context(q, k, None, None, qpos, scale, causal)
-    dout = ctx.rows(ct).astype(jnp.float32)
-    delta = jnp.sum(dout * ctx.rows(out).astype(jnp.float32), -1).transpose(0, 2, 3, 1)  # [b, kh, g, q]
-    lse = _grouped_heads(jnp.where(ctx.qvalid[None, :, None], lse, 0.0), ctx.kv_heads).transpose(0, 2, 3, 1)
+    """(dq, dk, dv): dq of this device's queries; dk, dv of the key/value block it owns, or, with the keys whole,
+    this device's part of their sum.
+
+    On the ring the gradient of a block trails it by one step: at each step a device sends on the block it holds
+    and the gradient it finished a step ago (plus what arrived for it), both before computing its share of the
+    held block's gradient; the last one takes one more step home. The sends never wait for the computation."""
+    kh = k.shape[2]
+    qvalid = qpos >= 0
+    delta = jnp.sum(ct.astype(jnp.float32) * out.astype(jnp.float32), -1)  # [b, q, heads]
+    row_major = lambda x: _grouped_heads(jnp.where(qvalid[None, :, None], x, 0.0), kh).transpose(0, 2, 3, 1)
+    ctx = _Context(q, k, None, None, qpos, scale, causal, lse=(row_major(lse), 3), delta=(row_major(delta), 3))
+    ctx.rows["dout"] = (ctx.padded(ctx.grouped(ct).astype(jnp.float32), 1), 1)
     scale = np.float32(scale)
 
-    def visit(dq, chunk):
-        p = jnp.where(ctx.qvalid[:, None], jnp.exp(chunk.s - lse[..., None]), 0.0)
+    def visit(rows, state, chunk):
+        (dq,), lse, delta, dout = state, rows["lse"], rows["delta"], rows["dout"]
+        p = jnp.where((rows["qpos"] >= 0)[:, None], jnp.exp(chunk.s - lse[..., None]), 0.0)
         dv = jnp.einsum("bkgqs,bqkgd->bskd", p, dout)
         dp = jnp.einsum("bqkgd,bskd->bkgqs", dout, chunk.v, preferred_element_type=jnp.float32)
         ds = jnp.where(chunk.allowed, p * (dp - delta[..., None]), 0.0) * scale
-        dq = dq + jnp.einsum("bkgqs,bskd->bqkgd", ds, chunk.k, preferred_element_type=jnp.float32)
-        dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, ctx.qg, preferred_element_type=jnp.float32)
-        return dq, jnp.concatenate([dk, dv], axis=2)
+        dq = dq + jnp.einsum("bkgqs,bskd->bkgqd", ds, chunk.k, preferred_element_type=jnp.float32)
+        dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, rows["q"], preferred_element_type=jnp.float32)
+        return (dq,), jnp.concatenate([dk, dv], axis=2)
 
-    dq = jnp.zeros(ctx.qg.shape, jnp.float32)
+    def share(kv, s, dq):
+        """This device's queries' gradient of the block held at step ``s``, and their dq added up."""
+        (dq,), g = ctx.pairs(kv, _held(ktable, me, s, n), visit, (dq,), jnp.zeros(kv.shape, jnp.float32))
+        return dq, g
+
+    (dq,) = ctx.state(((q.shape[3],), 0.0))
     kv = jnp.concatenate([k, v], axis=2)
-    grads = jnp.zeros(kv.shape, jnp.float32)
     if n == 1:
-        dq, grads = ctx.chunks(kv, ktable[0], visit, dq, grads)
+        dq, grads = share(kv, 0, dq)
     else:
-        def step(s, carry):
-            dq, kv, grads = carry
-            dq, grads = ctx.chunks(kv, _held(ktable, me, s, n), visit, dq, grads)
-            return dq, _rotate(kv, axes, n), _rotate(grads, axes, n)
+        following = _rotate(kv, axes, n)
+        dq, done = share(kv, 0, dq)  # the own block: nobody has added to its gradient yet
 
-        dq, kv, grads = lax.fori_loop(0, n - 1, step, (dq, kv, grads))
-        dq, grads = ctx.chunks(kv, _held(ktable, me, n - 1, n), visit, dq, grads)
-        grads = _rotate(grads, axes, n)
-    kh = ctx.kv_heads
-    return (dq.reshape(q.shape).astype(q.dtype), grads[:, :, :kh].astype(k.dtype),
-            grads[:, :, kh:].astype(v.dtype))
+        def step(s, carry):
+            dq, kv, done = carry
+            following, arrived = _rotate(kv, axes, n), _rotate(done, axes, n)
+            dq, g = share(kv, s, dq)
+            return dq, following, arrived + g
+
+        dq, kv, done = lax.fori_loop(1, n - 1, step, (dq, following, done))
+        arrived = _rotate(done, axes, n)
+        dq, g = share(kv, n - 1, dq)
+        grads = _rotate(arrived + g, axes, n)
+    dq = ctx.unpadded(dq).transpose(0, 3, 1, 2, 4).reshape(q.shape)
+    return dq.astype(q.dtype), grads[:, :, :kh].astype(k.dtype), grads[:, :, kh:].astype(v.dtype)

@@ -1,12 +1,13 @@
 """The main job: train a small GPT (Flax NNX) on 8 devices and check it against one device.
 
 Run ``python -m jshard.demo`` (``make demo``). It builds a mesh (DP2 x TP4 by default; 8 CPU devices are
-emulated when the machine has fewer accelerators), makes the model tensor-, sequence-, fully-sharded- or
-data-parallel with ``jshard.parallel``, prints the placements of one block's parameters and what a training
-step communicates (collectives and bytes by kind, from ``explain``), then trains with optax AdamW on a
-deterministic synthetic corpus, next to the same model trained on one device. It exits non-zero if the
-two loss curves differ by more than the rounding of a reordered computation explains
-(``jshard.validate.tolerance``, with the loss's summation chain from ``jshard.gpt.summed_terms``).
+emulated when the machine has fewer accelerators), makes the model tensor-, sequence-, fully-sharded-, data- or
+context-parallel (or a ``+``-joined combination, ``dp+cp``, ``cp+tp``, ``fsdp+cp+tp``) with ``jshard.parallel``,
+prints the placements of one block's parameters and what a training step communicates (collectives and bytes by
+kind, from ``explain``), then trains with optax AdamW on a deterministic synthetic corpus, next to the same
+model trained on one device. It exits non-zero if the two loss curves differ by more than the rounding of a
+reordered computation explains (``jshard.validate.tolerance``, with the loss's summation chain from
+``jshard.gpt.summed_terms``).
 
 It takes the path that scales: the model is built sharded (``parallelize`` of a constructor: no device ever
 holds a sharded parameter whole) and each process reads only its own rows of every batch
@@ -17,8 +18,12 @@ devices each (``jshard.launch``), joined by ``jax.distributed``, with the data a
 asynchronous, the last two kept; every process writes its own blocks) and, when DIR already holds a checkpoint,
 resumes from its last step, whatever the mesh and style it was saved under.
 
-    python -m jshard.demo [--mesh dp=2,tp=4] [--style tp|sp|fsdp|dp] [--steps 20] [--layers 2] [--processes 2]
-                          [--checkpoint DIR] [--save-every 5]
+With context parallelism (``--style cp``) the sequence is sharded over the mesh axis named ``cp`` (the default
+mesh puts it on all 8 devices; ``--mesh dp=2,cp=4 --style dp+cp`` shares them with the batch), striped so that
+causal attention gives every device the same work, and every attention crosses it by ``--method``.
+
+    python -m jshard.demo [--mesh dp=2,tp=4] [--style tp|sp|fsdp|dp|cp|dp+cp|cp+tp|...] [--method auto|ring|...]
+                          [--steps 20] [--layers 2] [--processes 2] [--checkpoint DIR] [--save-every 5]
 """
 
 from __future__ import annotations
@@ -52,6 +57,41 @@ def corpus(vocab: int, length: int, seed: int = 0):
     return ids
 
 
+def default_mesh(style: str) -> str:
+    """The demo's mesh of 8 devices for ``style``: DP2 x TP4 without context parallelism; with it, the sequence on
+    the devices the data (2) and tensor (4, or 2 beside data) axes leave.
+
+    >>> default_mesh("tp"), default_mesh("cp"), default_mesh("dp+cp"), default_mesh("fsdp+cp+tp")
+    ('dp=2,tp=4', 'cp=8', 'dp=2,cp=4', 'dp=2,cp=2,tp=2')
+    """
+    parts = set(style.split("+"))
+    if "cp" not in parts:
+        return "dp=2,tp=4"
+    dp = 2 if parts & {"dp", "fsdp"} else 1
+    tp = (2 if dp > 1 else 4) if parts & {"tp", "sp"} else 1
+    axes = {"dp": dp, "cp": 8 // (dp * tp), "tp": tp}
+    return ",".join(f"{name}={size}" for name, size in axes.items() if size > 1)
+
+
+def roles(style: str, names: tuple[str, ...]) -> dict[str, str | None]:
+    """Which mesh axis is the data (``dp``), tensor (``tp``) and context (``cp``) axis of ``style``: ``cp`` by name,
+    the tensor axis the last of the others (where the style has one), the data axis the first of those left.
+
+    >>> roles("tp", ("dp", "tp")), roles("cp+tp", ("cp", "tp"))
+    ({'dp': 'dp', 'tp': 'tp', 'cp': None}, {'dp': None, 'tp': 'tp', 'cp': 'cp'})
+    """
+    parts = set(style.split("+"))
+    cp = "cp" if "cp" in parts else None
+    if cp is not None and cp not in names:
+        raise SystemExit(f"--style {style!r} shards the sequence over the mesh axis named 'cp', and --mesh has "
+                         f"{', '.join(names)}; add one, like --mesh dp=2,cp=4")
+    others = [n for n in names if n != cp]
+    tp = others.pop() if parts & {"tp", "sp"} and others else None
+    if parts & {"tp", "sp"} and tp is None:
+        raise SystemExit(f"--style {style!r} needs a tensor axis beside 'cp'; add one, like --mesh cp=2,tp=4")
+    return {"dp": others[0] if others else None, "tp": tp, "cp": cp}
+
+
 def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
     pairs = [p.split("=") for p in text.split(",")]
     try:
@@ -62,9 +102,14 @@ def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mesh", default="dp=2,tp=4",
-                    help="axis=size pairs; the first is the data axis, the last the tensor axis")
-    ap.add_argument("--style", default="tp", choices=["tp", "sp", "fsdp", "dp"])
+    ap.add_argument("--mesh", default=None,
+                    help="axis=size pairs; 'cp' is the context axis, the last other one the tensor axis, the first the "
+                         "data axis (default: dp=2,tp=4, or for a style with cp its sequence over 8 devices)")
+    ap.add_argument("--style", default="tp",
+                    help="tp, sp, fsdp, dp, cp, or a '+'-joined combination: dp+cp, cp+tp, fsdp+cp+tp, ...")
+    ap.add_argument("--method", default="auto",
+                    help="how attention crosses the context axis: ring, all_gather, all_to_all or auto (the cost model "
+                         "chooses)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--processes", type=int, default=1, help="run as this many JAX processes (localhost)")
@@ -74,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    names, sizes = parse_mesh(args.mesh)
+    names, sizes = parse_mesh(args.mesh or default_mesh(args.style))
+    axes = roles(args.style, names)
     if args.processes > 1 and args.process_id is None:
         return _launch(args, argv if argv is not None else sys.argv[1:], math.prod(sizes))
     if args.process_id is not None:
@@ -110,8 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     if jax.process_index() != 0:  # every process runs the same program; one of them reports
         sys.stdout = open(os.devnull, "w")
     where = f"{jax.process_count()} processes, " if jax.process_count() > 1 else ""
+    try:
+        styles, default = plan(args.style, method=args.method, **{k: v for k, v in axes.items() if v is not None})
+    except ValueError as e:
+        raise SystemExit(f"--style {args.style!r} --method {args.method!r}: {e}") from None
     print(f"jshard demo: a {args.layers}-layer GPT (vocab {vocab}, width {dim}, {heads} heads, sequence {seq}) "
-          f"on {jshard.spec.format_mesh(mesh)} of {where}{devices[0].platform} devices, style {args.style!r}\n")
+          f"on {jshard.spec.format_mesh(mesh)} of {where}{devices[0].platform} devices, style {args.style!r}"
+          + (f", attention across {axes['cp']!r} by {args.method!r}" if axes["cp"] else "") + "\n")
 
     def make():
         return GPT(vocab, dim, heads, args.layers, seq, rngs=nnx.Rngs(0))
@@ -119,7 +170,6 @@ def main(argv: list[str] | None = None) -> int:
     def loss_fn(model, ids, labels):
         return cross_entropy(model(ids), labels)
 
-    styles, default = plan(args.style, dp=names[0], tp=names[-1])
     model = parallelize(make, mesh, styles, default=default)  # built sharded: each device draws its blocks
     print("placements of block 0 (one entry per mesh axis):")
     for path, var in nnx.iter_graph(model.blocks[0]):
@@ -131,11 +181,15 @@ def main(argv: list[str] | None = None) -> int:
 
     tokens = corpus(vocab, args.steps * batch * (seq + 1) + 1)
     windows = tokens[: args.steps * batch * (seq + 1)].reshape(args.steps, batch, seq + 1)
-    data_axes = tuple(Shard(0) if a == names[0] else Replicate() for a in names)  # the batch over the data axis
-    rows = jshard.process_rows(mesh, data_axes, (batch, seq))[0]  # this process's rows of every batch
+    # the batch over the data axis; with context parallelism the sequence over cp, in the model's own layout
+    layout = {axes["dp"]: Shard(0)} if axes["dp"] else {}
+    if axes["cp"]:
+        layout[axes["cp"]] = styles[""].sequence(seq, mesh.shape[axes["cp"]])
+    data_axes = tuple(layout.get(a, Replicate()) for a in names)
+    rows, cols = jshard.process_rows(mesh, data_axes, (batch, seq))  # this process's part of every batch
 
     def shard(step):
-        ids, labels = windows[step, rows, :-1], windows[step, rows, 1:]  # a per-host loader reads only these
+        ids, labels = windows[step, rows, :-1][:, cols], windows[step, rows, 1:][:, cols]  # what a loader reads
         return [jshard.from_process_local(a, mesh, data_axes, shape=(batch, seq)) for a in (ids, labels)]
 
     tx = optax.adamw(3e-3, eps=1e-6)

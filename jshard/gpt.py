@@ -3,7 +3,8 @@ benchmarks).
 
 ``GPT(vocab, dim, heads, layers, seq)``: token + position embeddings, pre-norm blocks of causal
 multi-head attention (separate ``q``/``k``/``v``/``o`` projections) and a GELU MLP (``up``/``down``), a
-final LayerNorm and an untied ``head``. ``plan(style, dp, tp)`` gives ``(plan, default)`` for
+final LayerNorm and an untied ``head``; attention is ``jshard.attention`` (causal), so the plans below run it
+by whatever placements its inputs take. ``plan(style, dp, tp, cp)`` gives ``(plan, default)`` for
 ``jshard.parallel.parallelize``:
 
 - ``"tp"``: Megatron — q/k/v/up column parallel, o/down row parallel (one all-reduce each per block
@@ -11,7 +12,10 @@ final LayerNorm and an untied ``head``. ``plan(style, dp, tp)`` gives ``(plan, d
 - ``"sp"``: ``"tp"`` plus sequence parallelism — o/down reduce-scatter onto the sequence dim, the norms run
   sequence-sharded, q/k/v/up gather the sequence back;
 - ``"fsdp"``: every parameter sharded on the data axis (gathered for compute), no tensor parallelism;
-- ``"dp"``: parameters replicated.
+- ``"dp"``: parameters replicated;
+- ``"cp"``: context parallelism — the sequence sharded over ``cp`` (striped, so that causal attention balances),
+  attention crossing it by ring, all-gather or all-to-all; it combines with the others: ``"dp+cp"``,
+  ``"cp+tp"``, ``"fsdp+cp+tp"``.
 
 >>> model = GPT(vocab=32, dim=16, heads=2, layers=1, seq=8, rngs=nnx.Rngs(0))
 >>> model(jnp.zeros((2, 8), jnp.int32)).shape
@@ -25,7 +29,15 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from .parallel.styles import ColwiseParallel, FullyShard, ParallelStyle, RowwiseParallel, SequenceParallel
+from .attention import attention
+from .parallel.styles import (
+    ColwiseParallel,
+    ContextParallel,
+    FullyShard,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+)
 from .placements import Replicate, Shard
 
 __all__ = ["GPT", "cross_entropy", "one_device_trainer", "plan", "summed_terms"]
@@ -42,9 +54,7 @@ class Block(nnx.Module):
         b, t, d = x.shape
         h = self.ln1(x)
         q, k, v = (f(h).reshape(b, t, self.heads, d // self.heads) for f in (self.q, self.k, self.v))
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d // self.heads).astype(x.dtype)
-        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, jnp.finfo(x.dtype).min)
-        a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v).reshape(b, t, d)
+        a = attention(q, k, v, is_causal=True).reshape(b, t, d)
         x = x + self.o(a)
         return x + self.down(jax.nn.gelu(self.up(self.ln2(x))))
 
@@ -87,36 +97,37 @@ def summed_terms(vocab: int, dim: int, layers: int, seq: int, batch: int, *, ste
     return 2 * forward * steps
 
 
-def plan(style: str, dp: str = "dp", tp: str = "tp") -> tuple[dict, tuple]:
-    """``(plan, default)`` for ``parallelize`` in one of the styles ``tp``, ``sp``, ``fsdp``, ``dp``.
+def plan(style: str, dp: str = "dp", tp: str = "tp", cp: str = "cp", method: str = "auto") -> tuple[dict, tuple]:
+    """``(plan, default)`` for ``parallelize`` in one of the styles ``tp``, ``sp``, ``fsdp``, ``dp``, ``cp``, or a
+    ``+``-joined combination of them with at most one of ``dp`` / ``fsdp`` (the data axis ``dp``) and at most one
+    of ``tp`` / ``sp`` (the tensor axis ``tp``), in any order: ``"dp+cp"``, ``"cp+tp"``, ``"fsdp+cp+tp"``.
+    ``cp`` is context parallelism on axis ``cp`` (``ContextParallel`` on the model: the sequence sharded there, its
+    attention crossing the axis by ``method``); ``dp`` leaves the parameters replicated (the batch is sharded by
+    the caller), so ``"dp+cp"`` is ``"cp"`` with the batch on ``dp``.
 
     >>> plan("tp")[0]["blocks/*/o"]
     RowwiseParallel(axis='tp', input=None, output=R)
+    >>> plan("fsdp+cp+tp", method="ring")[0][""].method, plan("fsdp+cp+tp")[1]
+    ('ring', (FullyShard(axis='dp', input=None, output=None, dim=0),))
     """
-    if style == "dp":
-        return {}, ()
-    if style == "fsdp":
-        return {}, (FullyShard(dp),)
-    if style not in ("tp", "sp"):
-        raise ValueError(f"plan: style {style!r} is not one of 'tp', 'sp', 'fsdp', 'dp'")
-    sp = style == "sp"
-    row = RowwiseParallel(tp, output=Shard(1) if sp else RowwiseParallel.output)
-    styles = {"blocks/*/q": ColwiseParallel(tp), "blocks/*/k": ColwiseParallel(tp), "blocks/*/v": ColwiseParallel(tp),
-              "blocks/*/up": ColwiseParallel(tp), "blocks/*/o": row, "blocks/*/down": row,
-              "head": ColwiseParallel(tp),
-              # the vocabulary-parallel embedding (torchtitan's and Megatron's): the table, the largest parameter
-              # of a small GPT, is split on tp; each device looks up the ids it owns and one reduction joins them
-              "tok": row}
-    if sp:
-        styles.update({"blocks/*/ln1": SequenceParallel(tp), "blocks/*/ln2": SequenceParallel(tp),
-                       "ln": SequenceParallel(tp)})
-    else:
-        # the norms' outputs are replicated on tp (they are already): pinning them there makes the gradients
-        # of the column-parallel layers they feed (q, k, v; up; head) sum as Partials and reduce once, before
-        # the norm's backward pass, instead of running that backward pass on pending sums
-        norm_out = ParallelStyle(tp, output=Replicate())
-        styles.update({"blocks/*/ln1": norm_out, "blocks/*/ln2": norm_out, "ln": norm_out})
-    return styles, ()
+    parts = style.split("+") if isinstance(style, str) else []
+    known = ("tp", "sp", "fsdp", "dp", "cp")
+    clash = [pair for pair in (("dp", "fsdp"), ("tp", "sp")) if set(pair) <= set(parts)]
+    if not parts or any(p not in known for p in parts) or len(set(parts)) != len(parts) or clash:
+        why = f" ({' and '.join(clash[0])} both use one axis)" if clash else ""
+        raise ValueError(f"plan: style {style!r} is not one of {', '.join(map(repr, known))} or a '+'-joined "
+                         f"combination with at most one of 'dp'/'fsdp' and one of 'tp'/'sp'{why}, such as 'dp+cp', "
+                         "'cp+tp', 'fsdp+cp+tp', 'fsdp+tp'")
+    if method != "auto" and "cp" not in parts:
+        raise ValueError(f"plan: method={method!r} is how context parallelism crosses its axis, and style {style!r} "
+                         "has none; add 'cp' to the style (say 'dp+cp') or leave method='auto'")
+    styles: dict = {}
+    if "tp" in parts or "sp" in parts:
+        styles.update(_tensor_parallel(tp, "sp" in parts))
+    if "cp" in parts:
+        # the model's ids in, its logits out: sequence-sharded on cp, every attention inside crossing cp by method
+        styles[""] = ContextParallel(cp, method=method)
+    return styles, (FullyShard(dp),) if "fsdp" in parts else ()
 
 
 def one_device_trainer(model: nnx.Module, tx: optax.GradientTransformation, loss_fn):
@@ -144,3 +155,24 @@ def one_device_trainer(model: nnx.Module, tx: optax.GradientTransformation, loss
 
     step.params = lambda: state[0]
     return step
+
+
+def _tensor_parallel(tp: str, sp: bool) -> dict:
+    """Megatron's plan on ``tp``, with sequence parallelism's norms where ``sp``."""
+    row = RowwiseParallel(tp, output=Shard(1) if sp else RowwiseParallel.output)
+    styles = {"blocks/*/q": ColwiseParallel(tp), "blocks/*/k": ColwiseParallel(tp), "blocks/*/v": ColwiseParallel(tp),
+              "blocks/*/up": ColwiseParallel(tp), "blocks/*/o": row, "blocks/*/down": row,
+              "head": ColwiseParallel(tp),
+              # the vocabulary-parallel embedding (torchtitan's and Megatron's): the table, the largest parameter
+              # of a small GPT, is split on tp; each device looks up the ids it owns and one reduction joins them
+              "tok": row}
+    if sp:
+        styles.update({"blocks/*/ln1": SequenceParallel(tp), "blocks/*/ln2": SequenceParallel(tp),
+                       "ln": SequenceParallel(tp)})
+    else:
+        # the norms' outputs are replicated on tp (they are already): pinning them there makes the gradients
+        # of the column-parallel layers they feed (q, k, v; up; head) sum as Partials and reduce once, before
+        # the norm's backward pass, instead of running that backward pass on pending sums
+        norm_out = ParallelStyle(tp, output=Replicate())
+        styles.update({"blocks/*/ln1": norm_out, "blocks/*/ln2": norm_out, "ln": norm_out})
+    return styles

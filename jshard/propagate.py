@@ -427,9 +427,7 @@ class Selection:
         if self.rule is not None and self.rule.communicates is not None:
             # its own collectives are priced per N-D strategy, after the per-axis search: the cheapest of the
             # first combinations, whose moves cost least, wins
-            found = list(self.search(pops=COMMUNICATING_POPS))
-            if not found:
-                raise self._vetoed()
+            found = list(self.search(pops=COMMUNICATING_POPS)) or self._unfiltered()
             return min(found, key=lambda c: c.cost)
         # fast path: the inputs already match a rule on every axis (and no consumer asks for more)
         firsts = []
@@ -444,7 +442,21 @@ class Selection:
                 return Choice(cand[0], cand[1], 0.0, self.rule)
         for choice in self.search():
             return choice
-        raise self._vetoed()
+        return self._unfiltered()[0]
+
+    def _unfiltered(self) -> list[Choice]:
+        """The search again without the filter on lone scatters, where with it the rule's check left nothing (a
+        pending sum whose only way on is scattered onto a dim the check asks for); raise if still nothing."""
+        found = []
+        if self.follow:
+            self.follow = False
+            try:
+                found = list(self.search(pops=COMMUNICATING_POPS))
+            finally:
+                self.follow = True
+        if not found:
+            raise self._vetoed()
+        return found
 
     def _vetoed(self) -> ValueError:
         """No combination holds: only a rule's own check can veto them all (all-Replicate is always offered)."""

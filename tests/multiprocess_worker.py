@@ -17,6 +17,7 @@ with jshard's own layout code.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -92,8 +93,10 @@ CROSSING = {"2x4": 0, "4x2": 1, "8": 0}  # which mesh axis crosses processes
 SIZE_ONE = Mesh(_grid.reshape(2, 1, 4), ("dp", "sp", "tp"))
 
 
-def placement(code: str):
-    """"S0" Shard(0), "R" Replicate, "Psum" Partial("sum"), ... (the tests' own notation)."""
+def placement(code):
+    """"S0" Shard(0), "R" Replicate, "Psum" Partial("sum"), ... (the tests' own notation); a placement as it is."""
+    if not isinstance(code, str):
+        return code
     if code == "R":
         return Replicate()
     if code.startswith("S"):
@@ -113,16 +116,19 @@ def chunk(n: int, k: int, i: int) -> slice:
 
 
 def expected_block(value: np.ndarray, mesh_shape, codes, coords) -> np.ndarray:
-    """The local block at ``coords`` of ``value`` laid out with ``codes``: shards split the block left to right
-    over the mesh axes (nested torch.chunk); a pending sum leaves zeros off coordinate 0."""
+    """The local block at ``coords`` of ``value`` laid out with ``codes`` (or placements): shards split the block
+    left to right over the mesh axes (nested torch.chunk; a ``StridedShard(d, sf)`` cuts dim ``d`` into ``sf``
+    torch.chunk pieces and takes its chunk of each); a pending sum leaves zeros off coordinate 0."""
+    def cut(a, d, piece):
+        return a[(slice(None),) * d + (piece,)]
+
     block = value
-    for axis, code in enumerate(codes):
-        if code.startswith("S"):
-            d = int(code[1:])
-            index = [slice(None)] * block.ndim
-            index[d] = chunk(block.shape[d], mesh_shape[axis], coords[axis])
-            block = block[tuple(index)]
-    if any(code == "Psum" and coords[axis] != 0 for axis, code in enumerate(codes)):
+    for axis, p in enumerate(placements(codes)):
+        if p.is_shard:
+            n, c, d = mesh_shape[axis], coords[axis], p.dim
+            pieces = [cut(block, d, chunk(block.shape[d], p.split_factor, j)) for j in range(p.split_factor)]
+            block = np.concatenate([cut(a, d, chunk(a.shape[d], n, c)) for a in pieces], axis=d)
+    if any(p == Partial() and coords[axis] != 0 for axis, p in enumerate(placements(codes))):
         block = np.zeros_like(block)
     return block
 
@@ -183,7 +189,7 @@ REDISTRIBUTE_1D = [(("S0",), ("R",)), (("R",), ("S1",)), (("S0",), ("S1",)), (("
 
 
 def name_of(codes) -> str:
-    return ",".join(codes)
+    return ",".join(map(str, codes))
 
 
 def check_distribute(mesh: Mesh, codes, value) -> None:
@@ -384,32 +390,168 @@ def check_mlp(key: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# jshard.parallel: the demo's GPT, tensor-parallel on a (2, 4) mesh with dp crossing processes, 3 AdamW steps
+# jshard.attention: the sequence sharded over a mesh axis "cp" that crosses the processes (the ring's permutes,
+# the all-gather and the all-to-all run between them), forward and gradients against jax.nn.dot_product_attention
+
+CP_MESHES = {
+    "cp8": Mesh(_grid.reshape(8), ("cp",)),  # the sequence axis crosses the processes
+    "dp2xcp4": Mesh(_grid, ("dp", "cp")),  # the batch axis crosses them, the sequence axis stays inside one
+}
+ATTENTION = {
+    # name: (mesh, method pinned on cp, causal). One problem per causal flag, so one reference each: causal on 32
+    # tokens striped (``balanced``) with 8 heads, the others on 30 in blocks (uneven: 4 a device, 2 on the last)
+    # with 16 query heads reading 8 key/value heads (grouped); all-to-all cuts the heads evenly over 8 devices
+    "cp8/ring": ("cp8", "ring", False),
+    "cp8/ring_causal": ("cp8", "ring", True),
+    "cp8/all_gather": ("cp8", "all_gather", False),
+    "cp8/all_gather_causal": ("cp8", "all_gather", True),
+    "cp8/all_to_all": ("cp8", "all_to_all", False),
+    "cp8/all_to_all_causal": ("cp8", "all_to_all", True),
+    "dp2xcp4/ring_causal": ("dp2xcp4", "ring", True),
+}
+ATTENTION_PRIMITIVES = ("jshard.attention_fwd", "jshard.attention_bwd")
+
+
+def attention_program(attend, causal: bool):
+    """``(loss, output), (dq, dk, dv)`` of ``sum(sin(attend(q, k, v)) * w)``: forward and backward, one program."""
+    def loss(q, k, v, w):
+        out = attend(q, k, v, is_causal=causal)
+        return jnp.sum(jnp.sin(out) * w), out
+
+    return jax.value_and_grad(loss, (0, 1, 2), has_aux=True)
+
+
+@functools.cache
+def attention_problem(causal: bool) -> tuple:
+    """The inputs ``(q, k, v, w)`` (the same on both processes) and jax.nn.dot_product_attention's
+    ``(loss, output), (dq, dk, dv)`` on them, on this process's first device."""
+    t, heads = (32, 8) if causal else (30, 16)
+    rng = np.random.default_rng(11)
+    q, w = (rng.normal(size=(2, t, heads, 4)).astype(np.float32) for _ in range(2))
+    k, v = (rng.normal(size=(2, t, 8, 4)).astype(np.float32) for _ in range(2))
+    want = jax.jit(attention_program(jax.nn.dot_product_attention, causal))(q, k, v, w)
+    return (q, k, v, w), jax.tree.map(np.asarray, want)
+
+
+def ran_on_cp(row, axis: int) -> str:
+    """How an attention equation crossed mesh axis ``axis``: "ring" (its own permutes there), "all_gather"
+    (queries on the sequence, keys whole), "all_to_all" (heads), else the placements."""
+    q, k = row["ins"][0].placements[axis], row["ins"][1].placements[axis]
+    if any(kind == "permute" and "cp" in axes for kind, axes, _, _ in row["own"]):
+        return "ring"
+    if q.is_shard and q.dim == 1 and k.is_replicate:
+        return "all_gather"
+    return "all_to_all" if q.is_shard and q.dim == 2 else f"{q}, {k}"
+
+
+def check_attention(name: str) -> None:
+    """Output, loss and gradients of queries, keys and values on this process's devices against
+    jax.nn.dot_product_attention on the host; ``explain`` shows the pinned method on cp, and the loss (a reduced
+    value) goes to the cross-process comparison."""
+    from jshard.attention import balanced
+
+    key, method, causal = ATTENTION[name]
+    mesh = CP_MESHES[key]
+    (q, k, v, w), ((want_loss, want_out), want_grads) = attention_problem(causal)
+    t = q.shape[1]
+    layout = tuple(Shard(0) if a == "dp" else balanced(t, mesh.shape[a]) if causal else Shard(1)
+                   for a in mesh.axis_names)
+
+    def ours(q, k, v, is_causal):
+        return jshard.attention(q, k, v, is_causal=is_causal, method={"cp": method})
+
+    args = [jshard.distribute(a, mesh, layout) for a in (q, k, v, w)]
+    pins = ((None, layout), (layout,) * 3)  # every result in the inputs' layout, moved there in the program
+    (loss, out), grads = jshard.jit(attention_program(ours, causal), out_placements=pins)(*args)
+    n = q.shape[3] + 2 * t  # the score's contraction, the softmax's sum and the values' weighted sum
+    for what, got, want, terms in [("output", out, want_out, n), ("dq", grads[0], want_grads[0], 2 * n),
+                                   ("dk", grads[1], want_grads[1], 2 * n), ("dv", grads[2], want_grads[2], 2 * n)]:
+        assert tuple(got.placements) == layout, f"{name} {what}: {got.placements}, pinned {layout}"
+        for got_block, want_block in zip(host(got.to_local()), expected_locals(want, mesh, layout), strict=True):
+            assert (got_block is None) == (want_block is None), f"{name} {what}: another process's block"
+            if want_block is not None:
+                assert_close(got_block, want_block, n=terms, err_msg=f"{name} {what}")
+    loss = float(loss)
+    assert_close(np.float32(loss), want_loss, n=q.size + n, terms=np.abs(np.sin(want_out) * w).sum(),
+                 err_msg=f"{name} loss")
+    RESULTS["losses"][f"attention/{name}"] = loss.hex()
+    explained = jshard.explain(attention_program(ours, causal), *args, out_placements=pins)
+    rows = [r for r in explained.rows if r["primitive"] in ATTENTION_PRIMITIVES]
+    assert len(rows) == 2, [r["primitive"] for r in rows]  # the forward and the backward unit
+    ran = {ran_on_cp(r, mesh.axis_names.index("cp")) for r in rows}
+    assert ran == {method}, f"{name}: attention crossed cp by {ran}, not the pinned {method}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# jshard.parallel: the demo's GPT, 3 AdamW steps against one device: tensor-parallel on a (2, 4) mesh with dp
+# crossing processes, and context-parallel over all 8 devices (the ring crossing them)
 
 GPT_RUN: dict = {}
+# one problem for every parallelism (so one one-device reference): 16 tokens, 2 a device over 8
+VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH, STEPS = 32, 16, 2, 1, 16, 4, 3
 
 
-def check_gpt() -> None:
+def gpt_problem() -> tuple:
+    """The GPT checks' model maker, loss, optimizer and corpus windows ``[steps, batch, seq + 1]``."""
     import optax
     from flax import nnx
 
     from jshard.demo import corpus
-    from jshard.gpt import GPT, cross_entropy, one_device_trainer, plan, summed_terms
-    from jshard.parallel import TrainStep, parallelize
-    from jshard.validate.tolerance import assert_within_ulps, curve_ratio
-
-    vocab, dim, heads, layers, seq, batch, steps = 32, 16, 2, 1, 8, 4, 3
-    mesh = MESHES["2x4"]
+    from jshard.gpt import GPT, cross_entropy
 
     def make():
-        return GPT(vocab, dim, heads, layers, seq, rngs=nnx.Rngs(0))
+        return GPT(VOCAB, DIM, HEADS, LAYERS, SEQ, rngs=nnx.Rngs(0))
 
     def loss_fn(model, ids, labels):
         return cross_entropy(model(ids), labels)
 
-    windows = corpus(vocab, steps * batch * (seq + 1)).reshape(steps, batch, seq + 1)
+    windows = corpus(VOCAB, STEPS * BATCH * (SEQ + 1)).reshape(STEPS, BATCH, SEQ + 1)
+    return make, loss_fn, optax.adamw(3e-3, eps=1e-6), windows
+
+
+def train_gpt(train, mesh: Mesh, layout, windows, tag: str, after_first=lambda: None) -> list[float]:
+    """The losses of ``train`` (a ``TrainStep``) over the windows, each batch laid out as ``layout``."""
+    t0, losses = time.perf_counter(), []
+    for step in range(len(windows)):
+        ids, labels = (jshard.distribute(a, mesh, layout) for a in (windows[step, :, :-1], windows[step, :, 1:]))
+        losses.append(float(train(ids, labels)))
+        if step == 0:
+            after_first()
+        RESULTS["seconds"][f"{tag}: step {step}" + (" (with trace, plan, compile)" if step == 0 else "")] = round(
+            time.perf_counter() - t0, 3)
+        t0 = time.perf_counter()
+    return losses
+
+
+def match_one_device(tag: str, ours: list[float]) -> None:
+    """``ours`` are the losses of the same training on one device (trained once, by the first check that asks),
+    within the rounding bound; both are recorded (the processes must agree on them bitwise)."""
+    from jshard.gpt import one_device_trainer, summed_terms
+    from jshard.validate.tolerance import curve_ratio
+
+    if "one_device" not in GPT_RUN:
+        make, loss_fn, tx, windows = gpt_problem()
+        t0 = time.perf_counter()
+        reference = one_device_trainer(make(), tx, loss_fn)
+        GPT_RUN["one_device"] = [reference(jnp.asarray(w[:, :-1]), jnp.asarray(w[:, 1:])) for w in windows]
+        RESULTS["seconds"]["gpt: one-device reference"] = round(time.perf_counter() - t0, 3)
+        RESULTS["losses"]["gpt_one_device"] = [v.hex() for v in GPT_RUN["one_device"]]
+    theirs = GPT_RUN["one_device"]
+    RESULTS["losses"][tag] = [v.hex() for v in ours]
+    ratio = curve_ratio(ours, theirs, n_per_step=summed_terms(VOCAB, DIM, LAYERS, SEQ, BATCH))
+    assert ratio <= 1, f"{tag}: losses {ours} vs one device {theirs}: {ratio:.2f} of the rounding bound"
+
+
+def check_gpt() -> None:
+    from flax import nnx
+
+    from jshard.gpt import plan
+    from jshard.parallel import TrainStep, parallelize
+    from jshard.validate.tolerance import assert_within_ulps
+
+    mesh = MESHES["2x4"]
+    make, loss_fn, tx, windows = gpt_problem()
     styles, default = plan("tp", dp="dp", tp="tp")
-    tx = optax.adamw(3e-3, eps=1e-6)
     t0 = time.perf_counter()
     model = parallelize(make, mesh, styles, default=default)  # sharded initialisation: the scalable path
     RESULTS["seconds"]["gpt: sharded init"] = round(time.perf_counter() - t0, 3)
@@ -420,27 +562,31 @@ def check_gpt() -> None:
     for (path, got), want in zip(ours, eager):  # each device drew exactly its elements (the same bits)
         assert_within_ulps(np.asarray(got.full()), np.asarray(want), err_msg=f"sharded init of {path}")
     RESULTS["digests"]["gpt/init"] = digest(*[np.asarray(v.full()) for _, v in ours])
-    t0 = time.perf_counter()
     train = TrainStep(model, tx, loss_fn)
-    ours = []
-    for step in range(steps):
-        ids, labels = (jshard.distribute(a, mesh, [Shard(0), Replicate()])
-                       for a in (windows[step, :, :-1], windows[step, :, 1:]))
-        ours.append(float(train(ids, labels)))
-        if step == 0:  # checkpoint_gpt_resume picks the run up from here under another parallelism
-            jshard.checkpoint.save(os.path.join(CKPT, "gpt_step1"), train.state)
-            GPT_RUN.update(make=make, loss_fn=loss_fn, windows=windows, tx=tx)
-        label = f"gpt: step {step}" + (" (with trace, plan, compile)" if step == 0 else "")
-        RESULTS["seconds"][label] = round(time.perf_counter() - t0, 3)
-        t0 = time.perf_counter()
-    reference = one_device_trainer(make(), tx, loss_fn)
-    theirs = [reference(jnp.asarray(windows[s, :, :-1]), jnp.asarray(windows[s, :, 1:])) for s in range(steps)]
-    RESULTS["seconds"]["gpt: one-device reference"] = round(time.perf_counter() - t0, 3)
-    RESULTS["losses"]["gpt"] = [v.hex() for v in ours]
-    GPT_RUN["losses"] = ours
-    RESULTS["losses"]["gpt_one_device"] = [v.hex() for v in theirs]
-    ratio = curve_ratio(ours, theirs, n_per_step=summed_terms(vocab, dim, layers, seq, batch))
-    assert ratio <= 1, f"GPT losses {ours} vs one device {theirs}: {ratio:.2f} of the rounding bound"
+
+    def save_first():  # checkpoint_gpt_resume picks the run up from here under another parallelism
+        jshard.checkpoint.save(os.path.join(CKPT, "gpt_step1"), train.state)
+        GPT_RUN.update(make=make, loss_fn=loss_fn, windows=windows, tx=tx)
+
+    losses = train_gpt(train, mesh, [Shard(0), Replicate()], windows, "gpt", save_first)
+    GPT_RUN["losses"] = losses
+    match_one_device("gpt", losses)
+
+
+def check_gpt_context_parallel() -> None:
+    """Context parallelism over all 8 devices (``plan("cp")``, attention by ring): the ids and labels striped
+    over cp (``balanced``), the key/value blocks passing between the processes at every layer, forward and
+    backward."""
+    from jshard.attention import balanced
+    from jshard.gpt import plan
+    from jshard.parallel import TrainStep, parallelize
+
+    mesh = CP_MESHES["cp8"]
+    make, loss_fn, tx, windows = gpt_problem()
+    styles, default = plan("cp", method="ring")
+    train = TrainStep(parallelize(make, mesh, styles, default=default), tx, loss_fn)
+    losses = train_gpt(train, mesh, [balanced(SEQ, mesh.shape["cp"])], windows, "gpt_cp8_ring")
+    match_one_device("gpt_cp8_ring", losses)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -557,7 +703,10 @@ def main() -> None:
         check(f"jax_arrays_in/explicit_closure_{'set_mesh' if inside else 'no_mesh'}", check_explicit_closure, inside)
     for key in MLP_LAYOUTS:
         check(f"jit_mlp/{key}", check_mlp, key)
+    for name in ATTENTION:
+        check(f"attention/{name}", check_attention, name)
     check("gpt/tp_2x4", check_gpt)
+    check("gpt/cp8_ring", check_gpt_context_parallel)
     for key in MESHES:
         check(f"checkpoint/save_{key}", check_checkpoint_save, key)
     for saved_key, target_key in [("2x4", "4x2"), ("4x2", "8"), ("8", "2x4"), ("2x4", "2x4")]:

@@ -1,15 +1,16 @@
 """Model parallelism for Flax NNX: name placements per module, train with optax, get single-device losses.
 
 ``parallelize(model, mesh, plan)`` turns parameters into DArrays placed by parallel styles
-(``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``, ``DataParallel``, ``FullyShard``, or a
-``ParallelStyle`` subclass of your own: a style carries its whole behaviour, see ``styles``), placing Flax's own
-layers by what their dims mean (``layout``);
+(``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``, ``DataParallel``, ``FullyShard``,
+``ContextParallel``, or a ``ParallelStyle`` subclass of your own: a style carries its whole behaviour, see
+``styles``), placing Flax's own layers by what their dims mean (``layout``);
 ``TrainStep`` runs ``jshard.jit`` training steps that keep parameters and optimizer state where they are.
 """
 
 from .parallelize import parallelize, placements_of
 from .styles import (
     ColwiseParallel,
+    ContextParallel,
     DataParallel,
     FullyShard,
     Layout,
@@ -22,6 +23,6 @@ from .styles import (
 )
 from .training import TrainStep, init_optimizer
 
-__all__ = ["ColwiseParallel", "DataParallel", "FullyShard", "Layout", "ParallelStyle", "RowwiseParallel",
-           "SequenceParallel", "TrainStep", "UnplacedParameter", "init_optimizer", "layout", "parallelize",
-           "placements_of", "style_classes"]
+__all__ = ["ColwiseParallel", "ContextParallel", "DataParallel", "FullyShard", "Layout", "ParallelStyle",
+           "RowwiseParallel", "SequenceParallel", "TrainStep", "UnplacedParameter", "init_optimizer", "layout",
+           "parallelize", "placements_of", "style_classes"]

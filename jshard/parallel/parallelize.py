@@ -32,6 +32,7 @@ model changes, so a mistake raises with the model untouched.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import inspect
 import os
@@ -259,7 +260,8 @@ def _match(model: nnx.Module, mesh: Mesh, plan: dict[str, tuple[ParallelStyle, .
     if unused:
         raise ValueError(f"parallelize: plan pattern(s) {unused} match no module; module paths are "
                          f"{sorted(_key(p) for p in modules if p)[:12]}")
-    return _Matched(modules, default, styles)
+    # the axes are checked: each style learns the mesh it runs on (ContextParallel, its axis size)
+    return _Matched(modules, _on(default, mesh), {path: _on(s, mesh) for path, s in styles.items()})
 
 
 def _place(model: nnx.Module, matched: _Matched, mesh: Mesh, rules: dict[str, Any]) -> list[_Placed]:
@@ -369,6 +371,16 @@ def _matched(plan: dict[str, tuple[ParallelStyle, ...]], patterns: list[str], wh
     return tuple(styles)
 
 
+def _on(styles: tuple[ParallelStyle, ...], mesh: Mesh) -> tuple[ParallelStyle, ...]:
+    """Each style as it runs on ``mesh`` (``ParallelStyle.on``), its answer checked."""
+    bound = tuple(s.on(mesh) for s in styles)
+    for s, b in zip(styles, bound, strict=True):
+        if not isinstance(b, type(s)) or b.axis != s.axis:
+            raise TypeError(f"parallelize: {s.label}.on(mesh) gave {b!r}; a style's on returns the style itself or a "
+                            f"copy of it on the same axis")
+    return bound
+
+
 def _check_axes(styles, names, mesh, where) -> None:
     seen = {}
     for s in styles:
@@ -435,11 +447,11 @@ def _placing(owner: tuple, default: tuple, matched: dict) -> dict[str, tuple[Par
 
 @memo(1024)
 def _constrained(cls: type, styles: tuple[ParallelStyle, ...], gather: tuple) -> type:
-    """``cls`` whose ``__call__`` constrains its inputs and outputs where ``styles`` place them, and runs with the
-    parameters it gathers at their compute placements (FSDP's gather, of a unit's parameters together; the
-    gradient is left to find its way back to the shard). ``gather``: per parameter, its path below the module and
-    its ``(axis, compute placement)`` pairs. Called outside ``jshard.jit`` (its parameters DArrays, not tracers),
-    it runs itself through ``jshard.jit`` (see ``_eagerly``)."""
+    """``cls`` whose ``__call__`` constrains its inputs and outputs where ``styles`` place them, runs inside their
+    ``context()``, and with the parameters it gathers at their compute placements (FSDP's gather, of a unit's
+    parameters together; the gradient is left to find its way back to the shard). ``gather``: per parameter, its
+    path below the module and its ``(axis, compute placement)`` pairs. Called outside ``jshard.jit`` (its parameters
+    DArrays, not tracers), it runs itself through ``jshard.jit`` (see ``_eagerly``)."""
     computes = [dict(axes) for _, axes in gather]
 
     def __call__(self, *args, **kwargs):
@@ -451,7 +463,10 @@ def _constrained(cls: type, styles: tuple[ParallelStyle, ...], gather: tuple) ->
         for v, value, compute in zip(params, stored, computes, strict=True):
             v.set_value(constrain(value, compute, pin_gradient=False))
         try:
-            out = super(sub, self).__call__(*args, **kwargs)
+            with contextlib.ExitStack() as contexts:
+                for s in styles:
+                    contexts.enter_context(s.context())
+                out = super(sub, self).__call__(*args, **kwargs)
         finally:
             for v, value in zip(params, stored, strict=True):
                 v.set_value(value)

@@ -9,6 +9,9 @@ one small interface:
   whether the input's gradient is constrained like the input;
 - ``compute``: where the module's parameters are while it runs (FSDP: gathered), None for as stored; a style
   with one also takes the parameters of the modules inside the module it is matched on (FSDP's unit);
+- ``context()``: a context manager the module's call runs in (ContextParallel: the attention method of its axis);
+- ``on(mesh)``: the style as it runs on a mesh (``parallelize`` asks once the plan is checked; ContextParallel
+  learns its axis size there, for the balanced layout);
 - ``constrains``: whether it changes the module's calls (a module never called cannot take such a style).
 
 A new style is one subclass overriding what it changes; ``parallelize`` needs no edit. Styles on different
@@ -36,6 +39,8 @@ A style is checked when it is made: the axis must be a name, ``input`` / ``outpu
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
@@ -43,12 +48,14 @@ from typing import Any, ClassVar, NamedTuple
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
+from ..attention import METHODS, attention_method, balanced
 from ..darray import DArray
 from ..placements import Placement, Replicate, Shard
 
-__all__ = ["ColwiseParallel", "DataParallel", "FullyShard", "Layout", "ParallelStyle", "RowwiseParallel",
-           "SequenceParallel", "UnplacedParameter", "layout", "style_classes"]
+__all__ = ["ColwiseParallel", "ContextParallel", "DataParallel", "FullyShard", "Layout", "ParallelStyle",
+           "RowwiseParallel", "SequenceParallel", "UnplacedParameter", "layout", "style_classes"]
 
 R = Replicate()
 
@@ -98,11 +105,23 @@ class ParallelStyle:
         """The placement on ``self.axis`` of every array the module returns (None: left to the engine)."""
         return self.output
 
+    def context(self) -> contextlib.AbstractContextManager:
+        """A context manager the module's call runs in (its inputs already constrained): settings that reach the
+        operations inside, such as the attention method of ``ContextParallel``. By default none."""
+        return contextlib.nullcontext()
+
+    def on(self, mesh: Mesh) -> ParallelStyle:
+        """This style as it runs on ``mesh``, whose axes ``parallelize`` has checked: a style whose behaviour
+        depends on the mesh returns a copy that knows what it needs (``ContextParallel``: its axis size). By
+        default the style itself."""
+        return self
+
     @property
     def constrains(self) -> bool:
-        """Whether the style constrains the module's calls (its inputs or outputs): by ``input`` / ``output``, or
-        by its own ``inputs`` / ``outputs`` (a style that overrides them is taken to use them)."""
-        own = type(self).inputs is not ParallelStyle.inputs or type(self).outputs is not ParallelStyle.outputs
+        """Whether the style changes the module's calls: constrains its inputs or outputs (by ``input`` /
+        ``output``, or by its own ``inputs`` / ``outputs``) or runs them in a ``context`` (a style that overrides
+        those methods is taken to use them)."""
+        own = any(getattr(type(self), m) is not getattr(ParallelStyle, m) for m in ("inputs", "outputs", "context"))
         return own or self.input is not None or self.output is not None
 
     @property
@@ -233,6 +252,82 @@ class FullyShard(ParallelStyle):
 
     def param(self, module, name, shape):
         return Shard(self.dim % len(shape)) if -len(shape) <= self.dim < len(shape) else R
+
+
+@dataclass(frozen=True)
+class ContextParallel(ParallelStyle):
+    """Context parallelism: the sequence dim (1) of the module's activations sharded over ``axis``, its
+    attention (``jshard.attention``) crossing the axis by ``method``. Matched on a model's root (or a stack of
+    blocks), it places parameters Replicate on the axis, constrains every positional array argument and every
+    array returned to the sequence layout there, and runs the call inside ``jshard.attention_method({axis:
+    method})``, so each attention inside runs by ``method`` on that axis: ``"ring"`` (keys and values passed
+    around it), ``"all_gather"``, ``"all_to_all"`` (Ulysses: sequence -> heads and back) or ``"auto"`` (the cost
+    model chooses). Other styles on other axes compose with it (``DataParallel("dp")`` on the batch,
+    ``ColwiseParallel("tp")`` inside the blocks).
+
+    ``balance=True`` lays the sequence out striped (``jshard.attention.balanced``: token ``t`` on device
+    ``t % size``), so that causal attention gives every device the same work; ``False`` cuts it in contiguous
+    blocks (``Shard(1)``). ``sequence(length, size)`` is that layout: give the data loader's ids and labels it.
+
+    >>> ContextParallel("cp").sequence(16, 4), ContextParallel("cp", balance=False).sequence(16, 4)
+    (SS(1,4), S(1))
+    """
+
+    axis: str = "cp"
+    method: str = "auto"
+    balance: bool = True
+    # set from the style's own fields: ContextParallel("cp", input=...) is a TypeError, never silently replaced
+    input: Placement | None = field(default=None, init=False)
+    output: Placement | None = field(default=None, init=False)
+    size: int | None = field(default=None, init=False, repr=False)  # the axis size, once on(mesh) has told it
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.method, str) or self.method not in METHODS:
+            raise ValueError(f"{self.label}: method {self.method!r} is not one of {', '.join(map(repr, METHODS))}; "
+                             "'ring' passes keys and values around the axis, 'all_gather' gathers them, "
+                             "'all_to_all' moves the sequence to the heads, 'auto' lets the cost model choose")
+        if not isinstance(self.balance, bool):
+            raise TypeError(f"{self.label}: balance must be True (the striped, causally balanced layout) or False "
+                            f"(contiguous blocks), got {self.balance!r}")
+
+    def sequence(self, length: int, size: int) -> Placement:
+        """The placement of a sequence dim (1) of ``length`` over an axis of ``size`` devices.
+
+        >>> ContextParallel("cp").sequence(8, 1)
+        S(1)
+        """
+        return balanced(length, size) if self.balance else Shard(1)
+
+    def on(self, mesh: Mesh) -> ContextParallel:
+        bound = copy.copy(self)
+        object.__setattr__(bound, "size", int(mesh.shape[self.axis]))
+        return bound
+
+    def inputs(self, args, kwargs):
+        return tuple(self._layout(a, f"argument {i}") if _is_array(a) else None for i, a in enumerate(args)), {}
+
+    def outputs(self, out):
+        found = {self._layout(a, "its output") for a in jax.tree.leaves(out) if _is_array(a)}
+        if len(found) > 1:
+            raise ValueError(f"{self.label}: the module returns arrays whose sequence dims (1) need different layouts "
+                             f"{sorted(map(str, found))}; match ContextParallel on a module whose outputs share one "
+                             "sequence length")
+        return found.pop() if found else None
+
+    def context(self):
+        # "auto" pins nothing: an attention_method the caller set around the model still holds inside it
+        return contextlib.nullcontext() if self.method == "auto" else attention_method({self.axis: self.method})
+
+    def _layout(self, a: Any, which: str) -> Placement:
+        if self.size is None:
+            raise RuntimeError(f"{self.label} was called before parallelize told it the mesh; use the style through "
+                               "jshard.parallel.parallelize, or ContextParallel(...).on(mesh)")
+        if np.ndim(a) < 2:
+            raise ValueError(f"{self.label}: {which} has shape {tuple(np.shape(a))}, with no sequence dim (1) to "
+                             f"shard over mesh axis {self.axis!r}; context parallelism needs [batch, seq, ...] "
+                             "arrays: match ContextParallel on a module that takes them, or add the batch dim")
+        return self.sequence(int(np.shape(a)[1]), self.size)
 
 
 class Layout(NamedTuple):

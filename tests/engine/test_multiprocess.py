@@ -6,9 +6,12 @@ processes). Each worker runs every check on meshes whose axes in turn cross the 
 (Shard, uneven Shard, Replicate, Partial), ``from_local`` and ``from_process_local`` (each process its own rows)
 against independently computed local blocks, ``redistribute`` across placement kinds, sharded ``jax.Array``s
 passed to and closed over by ``jshard.jit`` (on Auto and on Explicit mesh axes), ``jshard.jit`` of an MLP and
-its ``value_and_grad`` against float64 numpy, and the demo's GPT initialised sharded (bitwise the eager values)
-and trained 3 tensor-parallel ``TrainStep``s against one device. Here: both exit 0 within a hard timeout, every
-check passed, and the two processes computed bitwise-equal losses, gradients and reduced values.
+its ``value_and_grad`` against float64 numpy, ``jshard.attention`` with the sequence sharded over an axis that
+crosses the processes (ring, all-gather and all-to-all, causal and not, output and gradients against
+``jax.nn.dot_product_attention``; and beside a batch axis that crosses them), and the demo's GPT initialised
+sharded (bitwise the eager values) and trained 3 ``TrainStep``s, tensor-parallel and context-parallel (the ring
+crossing the processes), against one device. Here: both exit 0 within a hard timeout, every check passed, and
+the two processes computed bitwise-equal losses, gradients and reduced values.
 
 One launch of both workers does everything (a few seconds of compilation on each); the test never waits on a
 worker past ``TIMEOUT``: when one fails or time runs out, both are killed and the failing one's stderr is shown.
@@ -25,9 +28,9 @@ from jshard.launch import launch, log_tail
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(ROOT, "tests", "multiprocess_worker.py")
-TIMEOUT = 240  # seconds, for both workers together
-GROUPS = ("distribute", "from_local", "from_process_local", "jax_arrays_in", "redistribute", "jit_mlp", "gpt",
-          "checkpoint")
+TIMEOUT = 360  # seconds, for both workers together (about 60 on 2 idle cores; shared machines are slower)
+GROUPS = ("distribute", "from_local", "from_process_local", "jax_arrays_in", "redistribute", "jit_mlp", "attention",
+          "gpt", "checkpoint")
 
 
 def run_workers(tmp) -> tuple[list[int | None], list[str], list[dict | None], float]:
@@ -73,7 +76,8 @@ def test_two_processes_of_four_cpu_devices(tmp_path):
                 if a[kind].get(name) != b[kind].get(name):
                     problems.append(f"{kind} {name!r} differ between the processes: {a[kind].get(name)} vs "
                                     f"{b[kind].get(name)}")
-        for name in ("mlp/2x4", "mlp/4x2", "mlp/8", "gpt"):
+        for name in ("mlp/2x4", "mlp/4x2", "mlp/8", "attention/cp8/ring", "attention/cp8/ring_causal", "gpt",
+                     "gpt_cp8_ring"):
             if name not in a["losses"]:
                 problems.append(f"no {name} loss recorded")
     assert not problems, "\n".join(problems)

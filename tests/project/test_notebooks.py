@@ -48,9 +48,11 @@ def test_notebook_runs_and_shows_its_figures(name, monkeypatch):
 
 
 def test_plots_are_where_the_notebooks_say():
-    """Notebooks 02 and 03 plot (communication per style; memory and communication per plan)."""
+    """Notebooks 02, 03 and 04 plot (communication per style; memory and communication per plan; memory and step
+    time against sequence length)."""
     plotted = {n for n in NAMES if _figure_cells(build.notebook(build.NOTEBOOKS[n]))}
-    assert plotted == {"02_flax_tensor_parallel.ipynb", "03_large_models_and_checkpoints.ipynb"}
+    assert plotted == {"02_flax_tensor_parallel.ipynb", "03_large_models_and_checkpoints.ipynb",
+                       "04_long_context_and_deep_models.ipynb"}
     assert "matplotlib.use" not in open(os.path.join(HERE, "build.py")).read()  # no backend forced
 
 
