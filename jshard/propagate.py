@@ -387,12 +387,12 @@ class Selection:
             return self.model.collective("all_reduce", names, n, nbytes), 2
         return self.model.collective(kind, names, n, nbytes), 1
 
-    def options(self, m: int) -> list[tuple[tuple, Column]]:
+    def options(self, m: int, follow: bool) -> list[tuple[tuple, Column]]:
         cur = self.current(m)
         nbytes = [s.local_bytes for s in self.in_specs]
         opts = []
         for col in self.columns:
-            if self.follow and self._scatters_alone(col, cur, m):
+            if follow and self._scatters_alone(col, cur, m):
                 continue
             cost, changes = 0.0, 0
             for i, (a, b) in enumerate(zip(cur, col.ins, strict=True)):
@@ -447,13 +447,7 @@ class Selection:
     def _unfiltered(self) -> list[Choice]:
         """The search again without the filter on lone scatters, where with it the rule's check left nothing (a
         pending sum whose only way on is scattered onto a dim the check asks for); raise if still nothing."""
-        found = []
-        if self.follow:
-            self.follow = False
-            try:
-                found = list(self.search(pops=COMMUNICATING_POPS))
-            finally:
-                self.follow = True
+        found = list(self.search(pops=COMMUNICATING_POPS, follow=False)) if self.follow else []
         if not found:
             raise self._vetoed()
         return found
@@ -465,13 +459,13 @@ class Selection:
         return ValueError(
             f"{self.name}: no placement on {format_mesh(self.mesh)} satisfies the rule for inputs "
             f"{', '.join(map(str, self.in_specs))}: its check ({getattr(check, '__qualname__', check)}) vetoes every "
-            f"combination{f' ({why})' if why else ''}. The call asks for what these shapes cannot do on this mesh "
-            "(for attention: a method pinned to an axis whose size the heads or the sequence do not allow); "
-            "loosen it, or change the shapes or the mesh")
+            f"combination{f' ({why})' if why else ''}. The call asks for what these shapes cannot do on this mesh: "
+            "loosen what the check enforces, or change the shapes or the mesh")
 
-    def search(self, pops: float = math.inf):
-        """The valid combinations, cheapest first, as Choices (at most ``pops`` combinations are looked at)."""
-        per_axis = [self.options(m) for m in self.active]
+    def search(self, pops: float = math.inf, follow: bool | None = None):
+        """The valid combinations, cheapest first, as Choices (at most ``pops`` combinations are looked at);
+        ``follow``: whether lone scatters are left out (by default as the selection was made)."""
+        per_axis = [self.options(m, self.follow if follow is None else follow) for m in self.active]
         start = (0,) * len(per_axis)
         heap = [(self._key(per_axis, start), start)]
         seen = {start}

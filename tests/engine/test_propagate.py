@@ -114,7 +114,7 @@ def brute_force(prim, in_specs, out_avals):
     consts = (None,) * len(in_specs)
     sel = Selection(prim.name, {}, tuple(in_specs), tuple(out_avals), DEFAULT_COST_MODEL, consts, None)
     best = None
-    for combo in per_axis_product([sel.options(m) for m in sel.active]):
+    for combo in per_axis_product([sel.options(m, sel.follow) for m in sel.active]):
         cand = sel.candidate([c for _, c in combo])
         if cand is not None:
             key = tuple(sum(k[0][i] for k in combo) for i in range(3))

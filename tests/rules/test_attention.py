@@ -45,6 +45,10 @@ def _close(got, want, tol=2e-5):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol)
 
 
+def _named(shape, names):
+    return jax.make_mesh(shape, names, devices=jax.devices()[:math.prod(shape)])
+
+
 def _rows(e):
     return [r for r in e.rows if r["primitive"] in PRIMS]
 
@@ -390,6 +394,59 @@ def test_ring_runs_exactly_the_permutes_it_declares(shape):
         totals = jshard.explain(f, *x).totals
         assert set(totals) == {"permute"}
         assert _executed_permutes(jshard.jit(f).lower(*x).compile().as_text()) == totals["permute"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# method: a string offers one sequence method, a mapping pins it per axis
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (1, 4), (1,)], ids=["2x4", "1x4", "1"])
+@pytest.mark.parametrize("method", ["ring", "all_gather", "all_to_all"])
+def test_a_pinned_method_runs_on_its_axis_forward_and_backward(shape, method):
+    """``{"cp": method}`` on a (dp, cp) mesh: batch on dp, the method on cp, in the forward and the backward
+    equation alike; values and gradients are one device's. Striped GQA inputs reach heads for all-to-all."""
+    mesh = _named(shape, ("dp", "cp")[-len(shape):])
+    q, k, v = _qkv(b=2, t=32, heads=8, kv_heads=4)
+    n = mesh.shape["cp"]
+    args = [jshard.distribute(a, mesh, [Shard(0), balanced(32, n)][-len(shape):]) for a in (q, k, v)]
+    pinned = {"cp": method}
+    _close(jshard.jit(lambda *a: attention(*a, is_causal=True, method=pinned))(*args).full(),
+           jax.nn.dot_product_attention(q, k, v, is_causal=True))
+    grad = jax.grad(_loss(attention, is_causal=True, method=pinned), (0, 1, 2))
+    want = jax.grad(_loss(jax.nn.dot_product_attention, is_causal=True), (0, 1, 2))(q, k, v)
+    for got, w in zip(jshard.jit(grad)(*args), want, strict=True):
+        _close(got.full(), w, tol=1e-4)
+    rows = _rows(jshard.explain(grad, *args))
+    assert len(rows) == 2  # the forward unit and the backward unit
+    if n > 1:
+        expected = {"ring": "ring", "all_gather": "all-gather", "all_to_all": "heads"}[method]
+        assert all(_method(r, len(shape) - 1) == expected for r in rows), rows
+
+
+def test_method_string_context_and_bad_method():
+    """A string leaves heads available; ``attention_method`` sets the default and nests by adding axes; an
+    unknown method is refused by name."""
+    mesh = _named((8,), ("cp",))
+    q, k, v = _qkv(b=1, t=64, heads=8, kv_heads=8)
+    args = [jshard.distribute(a, mesh, [Shard(1)]) for a in (q, k, v)]
+    f = lambda *a: attention(*a, method="all_gather")  # noqa: E731
+    assert {_method(r, 0) for r in _rows(jshard.explain(f, *args))} <= {"all-gather", "heads"}
+    with jshard.attention_method({"cp": "ring"}), jshard.attention_method({"dp": "all_gather"}):
+        assert [_method(r, 0) for r in _rows(jshard.explain(lambda *a: attention(*a), *args))] == ["ring"]
+    for bad in ("zigzag", {"cp": "fast"}):
+        with pytest.raises(ValueError, match="jshard.attention: method .* must be one of 'auto', 'ring'"):
+            attention(q, k, v, method=bad)
+
+
+def test_a_pin_the_shapes_cannot_meet_names_the_check():
+    """All-to-all pinned on 8 devices for 6 query heads over 3 key/value heads (they must shard evenly): the
+    planner names the equation, its inputs and the check that vetoed every way."""
+    mesh = _named((8,), ("cp",))
+    q, k, v = _qkv(b=1, t=32, heads=6, kv_heads=3)
+    args = [jshard.distribute(a, mesh, [balanced(32, 8)]) for a in (q, k, v)]
+    with pytest.raises(ValueError, match=r"jshard.attention: no placement on mesh\(cp=8\) .*f32\[1,32,6,8\].*"
+                                         r"_pinned\) vetoes every combination"):
+        jshard.explain(lambda *a: attention(*a, method={"cp": "all_to_all"}), *args)
 
 
 # ---------------------------------------------------------------------------------------------------
