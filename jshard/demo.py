@@ -20,7 +20,8 @@ resumes from its last step, whatever the mesh and style it was saved under.
 
 With context parallelism (``--style cp``) the sequence is sharded over the mesh axis named ``cp`` (the default
 mesh puts it on all 8 devices; ``--mesh dp=2,cp=4 --style dp+cp`` shares them with the batch), striped so that
-causal attention gives every device the same work, and every attention crosses it by ``--method``.
+causal attention gives every device the same work (in contiguous blocks with ``--processes``, where each process
+loads one range of every row), and every attention crosses it by ``--method``.
 
     python -m jshard.demo [--mesh dp=2,tp=4] [--style tp|sp|fsdp|dp|cp|dp+cp|cp+tp|...] [--method auto|ring|...]
                           [--steps 20] [--layers 2] [--processes 2] [--checkpoint DIR] [--save-every 5]
@@ -29,6 +30,7 @@ causal attention gives every device the same work, and every attention crosses i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -160,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         styles, default = plan(args.style, method=args.method, **{k: v for k, v in axes.items() if v is not None})
     except ValueError as e:
         raise SystemExit(f"--style {args.style!r} --method {args.method!r}: {e}") from None
+    if axes["cp"] and jax.process_count() > 1:
+        # each process loads one contiguous range of every row (process_rows); striped tokens are not one
+        styles[""] = dataclasses.replace(styles[""], balance=False)
     print(f"jshard demo: a {args.layers}-layer GPT (vocab {vocab}, width {dim}, {heads} heads, sequence {seq}) "
           f"on {jshard.spec.format_mesh(mesh)} of {where}{devices[0].platform} devices, style {args.style!r}"
           + (f", attention across {axes['cp']!r} by {args.method!r}" if axes["cp"] else "") + "\n")

@@ -37,3 +37,12 @@ def test_the_demo_rejects_a_malformed_mesh():
 def test_the_tour_checks_pass(capsys):
     assert tour.main() == 0
     assert "all checks passed" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_context_parallel_demo_runs_as_two_processes(capfd):
+    """``--style cp --processes 2``: the ring crosses the process boundary, and each process loads its own
+    contiguous range of every row (the striped layout is not one range, so the demo lays the sequence in blocks)."""
+    assert demo.main(["--style", "cp", "--processes", "2", "--steps", "2", "--layers", "1"]) == 0
+    out = capfd.readouterr().out
+    assert "2 processes" in out and "permute" in out and "of the rounding bound -> OK" in out
