@@ -43,6 +43,9 @@ TRACED_DARRAY = ("jshard.jit: {what}: a DArray reached a JAX transformation (jax
                  "the whole computation in jshard.jit and pass every DArray it uses as an argument")
 
 _IS_DELETED = operator.methodcaller("is_deleted")
+# jax 0.10 kills the process when a donating program on several devices is given a deleted buffer, so such calls
+# are checked first; later releases (and every non-donating call) raise, and run() names the argument afterwards
+_CRASHES_ON_DELETED = jax.__version_info__[:2] < (0, 11)
 
 
 @dataclass
@@ -173,7 +176,32 @@ class Program:
 
     def run(self, blocks: list) -> list:
         """The output blocks of a call on input ``blocks``."""
-        # XLA kills the process on a deleted or twice-donated buffer: check first (microseconds per call)
+        if self._donated:
+            if _CRASHES_ON_DELETED:
+                self._check_blocks(blocks)
+            if len({id(b) for b in blocks}) < len(blocks):
+                self._refuse_shared_donation(blocks)
+            self._slot.blocks = blocks
+        try:
+            if self._compiled:
+                out = self.jitted(*self._lifted, *blocks)
+            else:
+                with _paused_collector():
+                    out = self.jitted(*self._lifted, *blocks)
+                self._compiled = True
+        except (RuntimeError, ValueError):  # JAX's own refusal of a deleted buffer: say which argument, and why
+            self._check_blocks(blocks)
+            raise
+        if out and isinstance(out[0], jax.core.Tracer):  # blocks traced by an enclosing transformation
+            self._check_blocks(blocks)
+        if self._bounded:
+            self._in_flight.append(out.pop())
+            if len(self._in_flight) > CPU_IN_FLIGHT:
+                self._in_flight.popleft().block_until_ready()
+        return out
+
+    def _check_blocks(self, blocks: list) -> None:
+        """Refuse deleted blocks (naming the call they were donated to) and traced ones."""
         try:
             deleted = any(map(_IS_DELETED, blocks))
         except (AttributeError, jax.errors.ConcretizationTypeError):  # a DArray unflattened inside jax.jit, ...
@@ -181,21 +209,6 @@ class Program:
             raise TypeError(TRACED_DARRAY.format(what=what)) from None
         if deleted:
             self._refuse_deleted(blocks)
-        if self._donated:
-            if len({id(b) for b in blocks}) < len(blocks):
-                self._refuse_shared_donation(blocks)
-            self._slot.blocks = blocks
-        if self._compiled:
-            out = self.jitted(*self._lifted, *blocks)
-        else:
-            with _paused_collector():
-                out = self.jitted(*self._lifted, *blocks)
-            self._compiled = True
-        if self._bounded:
-            self._in_flight.append(out.pop())
-            if len(self._in_flight) > CPU_IN_FLIGHT:
-                self._in_flight.popleft().block_until_ready()
-        return out
 
     def _refuse_deleted(self, blocks: list) -> None:
         i = next(i for i, b in enumerate(blocks) if b.is_deleted())
