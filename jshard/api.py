@@ -51,7 +51,7 @@ from .caches import Cache
 from .cost import CostModel
 from .darray import DArray, distribute
 from .engine import compile_program, constrain_p, constrain_target, replicated, trace
-from .engine.constrain import check_placements
+from .engine.constrain import check_placements, without_hidden_axis
 from .explanation import Explanation, explanation
 from .jaxcompat import source_info_util
 from .placements import Placement, Replicate
@@ -374,6 +374,7 @@ def constrain(x, placements, *, pin_gradient: bool = True) -> Any:
         raise TypeError(f"jshard.constrain: pin_gradient must be True or False, got {pin_gradient!r}")
     if isinstance(x, DArray):
         return x.redistribute(constrain_target(x.spec, entries).placements)
+    entries = without_hidden_axis(entries)
     check_placements(entries, np.ndim(x))
     return constrain_p.bind(x, placements=entries, pin_gradient=pin_gradient)
 

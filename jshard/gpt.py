@@ -35,6 +35,7 @@ from .parallel.styles import (
     ContextParallel,
     FullyShard,
     ParallelStyle,
+    PipelineParallel,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -97,27 +98,31 @@ def summed_terms(vocab: int, dim: int, layers: int, seq: int, batch: int, *, ste
     return 2 * forward * steps
 
 
-def plan(style: str, dp: str = "dp", tp: str = "tp", cp: str = "cp", method: str = "auto") -> tuple[dict, tuple]:
-    """``(plan, default)`` for ``parallelize`` in one of the styles ``tp``, ``sp``, ``fsdp``, ``dp``, ``cp``, or a
-    ``+``-joined combination of them with at most one of ``dp`` / ``fsdp`` (the data axis ``dp``) and at most one
-    of ``tp`` / ``sp`` (the tensor axis ``tp``), in any order: ``"dp+cp"``, ``"cp+tp"``, ``"fsdp+cp+tp"``.
+def plan(style: str, dp: str = "dp", tp: str = "tp", cp: str = "cp", method: str = "auto", pp: str = "pp",
+         microbatches: int = 4, schedule: str = "1f1b", virtual_stages: int = 1) -> tuple[dict, tuple]:
+    """``(plan, default)`` for ``parallelize`` in one of the styles ``tp``, ``sp``, ``fsdp``, ``dp``, ``cp``,
+    ``pp``, or a ``+``-joined combination of them with at most one of ``dp`` / ``fsdp`` (the data axis ``dp``) and
+    at most one of ``tp`` / ``sp`` (the tensor axis ``tp``), in any order: ``"dp+cp"``, ``"cp+tp"``, ``"fsdp+cp+tp"``.
     ``cp`` is context parallelism on axis ``cp`` (``ContextParallel`` on the model: the sequence sharded there, its
     attention crossing the axis by ``method``); ``dp`` leaves the parameters replicated (the batch is sharded by
-    the caller), so ``"dp+cp"`` is ``"cp"`` with the batch on ``dp``.
+    the caller), so ``"dp+cp"`` is ``"cp"`` with the batch on ``dp``. ``pp`` is pipeline parallelism on axis
+    ``pp`` (``PipelineParallel`` on the blocks, with ``microbatches``, ``schedule`` and ``virtual_stages``).
 
     >>> plan("tp")[0]["blocks/*/o"]
     RowwiseParallel(axis='tp', input=None, output=R)
     >>> plan("fsdp+cp+tp", method="ring")[0][""].method, plan("fsdp+cp+tp")[1]
     ('ring', (FullyShard(axis='dp', input=None, output=None, dim=0),))
+    >>> plan("pp+tp", microbatches=8)[0]["blocks"].microbatches
+    8
     """
     parts = style.split("+") if isinstance(style, str) else []
-    known = ("tp", "sp", "fsdp", "dp", "cp")
+    known = ("tp", "sp", "fsdp", "dp", "cp", "pp")
     clash = [pair for pair in (("dp", "fsdp"), ("tp", "sp")) if set(pair) <= set(parts)]
     if not parts or any(p not in known for p in parts) or len(set(parts)) != len(parts) or clash:
         why = f" ({' and '.join(clash[0])} both use one axis)" if clash else ""
         raise ValueError(f"plan: style {style!r} is not one of {', '.join(map(repr, known))} or a '+'-joined "
                          f"combination with at most one of 'dp'/'fsdp' and one of 'tp'/'sp'{why}, such as 'dp+cp', "
-                         "'cp+tp', 'fsdp+cp+tp', 'fsdp+tp'")
+                         "'cp+tp', 'fsdp+cp+tp', 'fsdp+tp', 'pp+dp+tp'")
     if method != "auto" and "cp" not in parts:
         raise ValueError(f"plan: method={method!r} is how context parallelism crosses its axis, and style {style!r} "
                          "has none; add 'cp' to the style (say 'dp+cp') or leave method='auto'")
@@ -127,6 +132,9 @@ def plan(style: str, dp: str = "dp", tp: str = "tp", cp: str = "cp", method: str
     if "cp" in parts:
         # the model's ids in, its logits out: sequence-sharded on cp, every attention inside crossing cp by method
         styles[""] = ContextParallel(cp, method=method)
+    if "pp" in parts:
+        styles["blocks"] = PipelineParallel(pp, microbatches=microbatches, schedule=schedule,
+                                            virtual_stages=virtual_stages)
     return styles, (FullyShard(dp),) if "fsdp" in parts else ()
 
 

@@ -11,11 +11,52 @@ against the mesh (``constrain_target``: the number of axes, their names, the pla
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 from ..jaxcompat import ad, batching, jc, mlir
 from ..placements import PlacementError, Replicate, normalize_placements
 from ..spec import Spec, format_mesh
 
-__all__ = ["check_placements", "constrain_p", "constrain_target"]
+__all__ = ["check_placements", "constrain_p", "constrain_target", "hidden_axis", "without_hidden_axis"]
+
+# (axis, mesh axis names) while a pipelined layer is traced: its program is planned on the mesh without that axis
+_HIDDEN: contextvars.ContextVar[tuple[str, tuple[str, ...]] | None] = contextvars.ContextVar("jshard_hidden_axis",
+                                                                                            default=None)
+
+
+@contextlib.contextmanager
+def hidden_axis(axis: str, names: tuple[str, ...]):
+    """While a pipeline stage's code is traced: ``jshard.constrain`` takes mesh axis ``axis`` (of a mesh with axes
+    ``names``) out of the placements it is given, since that code is planned on the mesh without it."""
+    token = _HIDDEN.set((axis, tuple(names)))
+    try:
+        yield
+    finally:
+        _HIDDEN.reset(token)
+
+
+def without_hidden_axis(entries: tuple) -> tuple:
+    """``jshard.constrain``'s placements with the hidden axis taken out (see ``hidden_axis``); as they are
+    elsewhere. A stage cannot place a value along that axis: the axis holds the other stages."""
+    hidden = _HIDDEN.get()
+    if hidden is None:
+        return entries
+    axis, names = hidden
+    if entries and isinstance(entries[0], tuple):  # (axis name, placement) pairs
+        kept = tuple((name, p) for name, p in entries if name != axis)
+        dropped = [p for name, p in entries if name == axis]
+    elif len(entries) == len(names):
+        i = names.index(axis)
+        kept, dropped = entries[:i] + entries[i + 1:], [entries[i]]
+    else:
+        return entries
+    if any(p is not None and p != Replicate() for p in dropped):
+        raise ValueError(f"jshard.constrain: {dropped[0]!r} on mesh axis {axis!r} inside a pipelined layer; that axis "
+                         "holds the pipeline's stages, so a layer places its values on the other axes only (use None "
+                         "or Replicate() there)")
+    return kept
+
 
 
 def check_placements(placements: tuple, rank: int) -> None:

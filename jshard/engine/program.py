@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import gc
 import operator
 import os
@@ -31,7 +32,7 @@ from ..spec import Spec, block_of, block_sharding, local_of
 from .kernel import communicates, local_function
 from .walk import JaxprPlan, plan_jaxpr
 
-__all__ = ["CPU_IN_FLIGHT", "TRACED_DARRAY", "Program", "Traced", "compile_program", "trace"]
+__all__ = ["CPU_IN_FLIGHT", "TRACED_DARRAY", "Program", "Traced", "compile_program", "trace", "tracing_mesh"]
 
 # equations are attributed to the user's line: the wrapper that calls the user's function is not it
 source_info_util.register_exclusion(os.path.abspath(__file__))
@@ -81,7 +82,11 @@ def trace(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, pins: Callable[[
                             "(or pytrees of arrays)")
         return out
 
-    closed, out_shape = _jaxpr(traced, avals, mesh)
+    token = _TRACING.set(mesh)
+    try:
+        closed, out_shape = _jaxpr(traced, avals, mesh)
+    finally:
+        _TRACING.reset(token)
     out_tree = jax.tree.structure(out_shape)
     pinned = [None if pin is None else Spec.create(mesh, pin, a.shape, a.dtype, where=f"out_placements (output {i})")
               for i, (pin, a) in enumerate(zip(pins(out_tree, len(closed.out_avals)), closed.out_avals, strict=True))]
@@ -89,6 +94,15 @@ def trace(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, pins: Callable[[
     with pricing(cost_model or model_in_force()):
         plan = plan_jaxpr(closed, specs, mesh, pinned, [d.spec if d is not None else None for d in lifted])
     return Traced(out_tree, plan, pinned, [d for d in lifted if d is not None])
+
+
+def tracing_mesh() -> Mesh | None:
+    """The mesh of the ``jshard.jit`` function being traced (None outside one): code that binds equations of its
+    own (a pipeline) reads the mesh's axes from it."""
+    return _TRACING.get()
+
+
+_TRACING: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("jshard_tracing_mesh", default=None)
 
 
 def _jaxpr(traced: Callable, avals: list, mesh: Mesh) -> tuple[Any, Any]:

@@ -2,9 +2,10 @@
 
 ``parallelize(model, mesh, plan)`` turns parameters into DArrays placed by parallel styles
 (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``, ``DataParallel``, ``FullyShard``,
-``ContextParallel``, or a ``ParallelStyle`` subclass of your own: a style carries its whole behaviour, see
-``styles``), placing Flax's own layers by what their dims mean (``layout``);
-``TrainStep`` runs ``jshard.jit`` training steps that keep parameters and optimizer state where they are.
+``ContextParallel``, ``PipelineParallel``, or a ``ParallelStyle`` subclass of your own: a style carries its
+whole behaviour, see ``styles``), placing Flax's own layers by what their dims mean (``layout``);
+``TrainStep`` runs ``jshard.jit`` training steps that keep parameters and optimizer state where they are (a
+pipelined model's step by its schedule: ``stages``, ``pipeline``, ``schedule``).
 """
 
 from .parallelize import parallelize, placements_of
@@ -15,6 +16,7 @@ from .styles import (
     FullyShard,
     Layout,
     ParallelStyle,
+    PipelineParallel,
     RowwiseParallel,
     SequenceParallel,
     UnplacedParameter,
@@ -24,5 +26,5 @@ from .styles import (
 from .training import TrainStep, init_optimizer
 
 __all__ = ["ColwiseParallel", "ContextParallel", "DataParallel", "FullyShard", "Layout", "ParallelStyle",
-           "RowwiseParallel", "SequenceParallel", "TrainStep", "UnplacedParameter", "init_optimizer", "layout",
-           "parallelize", "placements_of", "style_classes"]
+           "PipelineParallel", "RowwiseParallel", "SequenceParallel", "TrainStep", "UnplacedParameter",
+           "init_optimizer", "layout", "parallelize", "placements_of", "style_classes"]

@@ -53,7 +53,8 @@ from ..jaxcompat import source_info_util
 from ..placements import Placement, Replicate
 from ..spec import Spec, format_mesh, shard_order
 from .initialise import Constructor, initialise, trace_constructor
-from .styles import ParallelStyle, UnplacedParameter, _is_array, style_classes
+from .stages import stack_blocks
+from .styles import ParallelStyle, PipelineParallel, UnplacedParameter, _is_array, style_classes
 
 __all__ = ["parallelize", "placements_of"]
 
@@ -113,10 +114,14 @@ def parallelize(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh,
     default = _styles(default, "default=")
     rules = _rules(rules, mesh)
     matched = _match(model, mesh, plan, default)
+    pipelines = _pipelines(matched, mesh)
     params = _place(model, matched, mesh, rules)
     units = _units(matched, params)
     values = _build(model, build, mesh, params)
     _install(matched, params, values, units)
+    for path, style in pipelines:
+        parent, name = matched.modules[path[:-1]], path[-1]
+        setattr(parent, name, stack_blocks(list(matched.modules[path]), mesh, style, _key(path)))
     return model
 
 
@@ -331,6 +336,53 @@ def _install(matched: _Matched, params: list[_Placed], values: list[DArray], uni
         p.var.set_value(value)
     for path, cls in classes.items():
         matched.modules[path].__class__ = cls
+
+
+def _pipelines(matched: _Matched, mesh: Mesh) -> list[tuple[tuple, PipelineParallel]]:
+    """The lists of blocks a ``PipelineParallel`` is matched on, checked before anything changes: identical modules,
+    as many as the stages can split, held by an attribute."""
+    found = []
+    for path, styles in matched.styles.items():
+        for style in styles:
+            if not isinstance(style, PipelineParallel):
+                continue
+            module, where = matched.modules[path], _key(path) or "the root module"
+            blocks = list(module) if isinstance(module, nnx.List) else None
+            if not blocks or not path or not isinstance(path[-1], str):
+                raise ValueError(f"parallelize: {style.label} is matched on {where} ({type(module).__name__}); "
+                                 "match it on a list of identical blocks held by a module attribute (nnx.List), say "
+                                 "'blocks'")
+            if matched.default and any(s.axis == style.axis for s in matched.default):
+                raise ValueError(f"parallelize: default= places parameters on mesh axis {style.axis!r}, which "
+                                 f"{style.label} uses for its stages; put the default styles on the other axes")
+            first = _signature(blocks[0])
+            for i, b in enumerate(blocks[1:], 1):
+                if _signature(b) != first:
+                    raise ValueError(f"parallelize: {style.label} stacks the blocks of {where}, and block {i} "
+                                     f"({type(b).__name__}) differs from block 0 ({type(blocks[0]).__name__}) in its "
+                                     "structure, parameter shapes or dtypes; pipelined blocks must be identical")
+            size = mesh.shape[style.axis] * style.virtual_stages
+            if len(blocks) % size:
+                raise ValueError(f"parallelize: {style.label} splits the {len(blocks)} blocks of {where} into "
+                                 f"{mesh.shape[style.axis]} stages x {style.virtual_stages} virtual stages; use a "
+                                 f"block count that is a multiple of {size} (or another axis size)")
+            state = nnx.state(blocks[0], nnx.Not(nnx.Param))
+            if jax.tree.leaves(state):
+                raise ValueError(f"parallelize: the blocks of {where} hold state besides parameters "
+                                 f"({type(jax.tree.leaves(state)[0]).__name__}: RNG streams, batch statistics); "
+                                 f"{style.label} pipelines blocks whose state is their parameters")
+            found.append((path, style))
+    if len(found) > 1:
+        raise ValueError(f"parallelize: PipelineParallel is matched on {len(found)} lists of blocks "
+                         f"({', '.join(_key(p) for p, _ in found)}); a model has one pipeline")
+    return found
+
+
+def _signature(module: nnx.Module) -> tuple:
+    """What identical blocks share: classes, structure, and each parameter's shape and dtype."""
+    graphdef, state = nnx.split(module)
+    shapes = [(tuple(np.shape(v)), str(getattr(v, "dtype", type(v).__name__))) for v in jax.tree.leaves(state)]
+    return (type(module).__name__, jax.tree.structure(state), tuple(shapes))
 
 
 def _key(path: tuple) -> str:

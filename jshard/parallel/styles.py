@@ -53,9 +53,10 @@ from jax.sharding import Mesh
 from ..attention import METHODS, attention_method, balanced
 from ..darray import DArray
 from ..placements import Placement, Replicate, Shard
+from .schedule import SCHEDULES
 
 __all__ = ["ColwiseParallel", "ContextParallel", "DataParallel", "FullyShard", "Layout", "ParallelStyle",
-           "RowwiseParallel", "SequenceParallel", "UnplacedParameter", "layout", "style_classes"]
+           "PipelineParallel", "RowwiseParallel", "SequenceParallel", "UnplacedParameter", "layout", "style_classes"]
 
 R = Replicate()
 
@@ -328,6 +329,39 @@ class ContextParallel(ParallelStyle):
                              f"shard over mesh axis {self.axis!r}; context parallelism needs [batch, seq, ...] "
                              "arrays: match ContextParallel on a module that takes them, or add the batch dim")
         return self.sequence(int(np.shape(a)[1]), self.size)
+
+
+@dataclass(frozen=True)
+class PipelineParallel(ParallelStyle):
+    """Pipeline parallelism over ``axis``: matched on a list of identical blocks (``"blocks"``), it splits them
+    into stages along the axis (stage ``s`` of ``p`` holds blocks ``s*L/p ... (s+1)*L/p - 1``; with
+    ``virtual_stages=v``, ``v`` chunks per device dealt round-robin), and ``TrainStep`` runs each step as
+    ``microbatches`` microbatches flowing stage to stage in ``schedule`` order (``"gpipe"``, ``"1f1b"``,
+    ``"interleaved"``; ``jshard.parallel.schedule``), all in the step's one program
+    (``jshard.parallel.stages``). The blocks' parameters are placed by the other styles on the other axes;
+    what runs before and after the blocks (embeddings, the head) is placed by them too, replicated along ``axis``.
+
+    >>> PipelineParallel("pp", microbatches=8)
+    PipelineParallel(axis='pp', input=None, output=None, microbatches=8, schedule='1f1b', virtual_stages=1)
+    """
+
+    axis: str = "pp"
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("microbatches", "virtual_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{self.label}: {name} must be an int >= 1, got {value!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"{self.label}: schedule {self.schedule!r} is not one of "
+                             f"{', '.join(map(repr, SCHEDULES))}")
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise ValueError(f"{self.label}: virtual_stages={self.virtual_stages} needs schedule='interleaved' (the "
+                             f"{self.schedule!r} schedule runs one chunk per device)")
 
 
 class Layout(NamedTuple):

@@ -45,7 +45,9 @@ from ..explanation import Explanation
 from ..placements import Replicate
 from ..planner import check_cost_model
 from ..spec import Spec
+from . import stages
 from .parallelize import holds_darray, kind_of, placements_of
+from .stages import find_pipelined
 
 __all__ = ["TrainStep", "init_optimizer"]
 
@@ -103,6 +105,10 @@ class TrainStep:
         # gradients land on their parameters' placements at once (one all-reduce per replicated parameter, one
         # reduce-scatter per sharded one), so the optimizer's elementwise update needs no communication
         grad_placements = jax.tree.leaves(placements_of(params), is_leaf=lambda p: isinstance(p, tuple))
+        pipelined = find_pipelined(model)
+        if len(pipelined) > 1:
+            raise ValueError(f"TrainStep: the model holds {len(pipelined)} pipelined block lists; a model has one "
+                             "pipeline")
 
         def step(params, opt_state, rest, *batch):
             def loss_of(p):
@@ -113,7 +119,11 @@ class TrainStep:
                 _check_loss(loss, loss_fn)
                 return loss, nnx.split(m, nnx.Param, ...)[2]  # state the forward pass updated (RNG counts)
 
-            (loss, rest), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+            if pipelined:
+                (loss, rest), grads = stages.value_and_grad(graphdef, loss_fn, params, rest, batch,
+                                                            path=pipelined[0][0], pipelined=pipelined[0][1])
+            else:
+                (loss, rest), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
             leaves, tree = jax.tree.flatten(grads)
             grads = jax.tree.unflatten(tree, [constrain(g, p) for g, p in zip(leaves, grad_placements, strict=True)])
             updates, opt_state = tx.update(grads, opt_state, params)

@@ -1,0 +1,360 @@
+"""Pipeline parallelism: a deep model's identical layers split into stages along one mesh axis, microbatches flowing
+stage to stage, forward and backward passes interleaved by a schedule, all inside the step's one program.
+
+``pipeline_value_and_grad(layer, tail, stacked, other, x0, side, axis=..., schedule=...)`` is the mean over
+microbatches ``i`` of ``tail(other, layer(stacked[L-1], ... layer(stacked[0], x0[i])), *side[i])`` with its
+gradients: with respect to ``stacked`` (every layer's parameters, stacked along a leading dim of length ``L``),
+``other`` and ``x0``. It binds one equation, ``jshard_pipeline``, which the engine plans like a loop:
+
+- ``stacked`` lies split along ``axis`` (``Shard(0)``: device ``d`` of the axis holds layers
+  ``d*L/p ... (d+1)*L/p - 1``; with ``v`` virtual stages ``StridedShard(0, v)``, chunks of ``L/(p*v)`` layers
+  dealt round-robin); everything else is replicated along ``axis``, placed freely on the other axes;
+- one layer's forward, its backward (the forward recomputed from the layer's input: a stage keeps only its
+  inputs, so its memory is the schedule's in-flight count times one activation) and the tail's value and
+  gradient are jaxprs of their own, planned on the mesh without ``axis`` (``jshard.constrain`` inside them names
+  the other axes alone), so tensor, data or sequence parallelism runs inside every stage;
+- the local kernel is a loop over the schedule's ticks (``jshard.parallel.schedule``): per tick every device runs
+  the forward unit and the backward unit the tables give it (``lax.cond``: an idle device computes nothing), then
+  sends its activation one stage on and its input gradient one stage back (two ``ppermute``\\ s).
+
+The loss and the tail's gradients come out ``Partial(sum)`` along ``axis`` (the last stage computed them), the
+input gradient too (the first stage did); the stacked gradients lie like the parameters.
+
+>>> import jax, jax.numpy as jnp, numpy as np, jshard
+>>> mesh = jax.make_mesh((4,), ("pp",))
+>>> w = jshard.distribute(np.full((8, 3, 3), 0.5, np.float32), mesh, [jshard.Shard(0)])  # 8 layers, 2 a stage
+>>> x0 = jshard.distribute(np.ones((4, 2, 3), np.float32), mesh, [jshard.Replicate()])  # 4 microbatches
+>>> def run(w, x0):
+...     return pipeline_value_and_grad(lambda lw, x: jnp.tanh(x @ lw), lambda o, x: jnp.mean(x ** 2), w, (), x0,
+...                                    (), axis="pp", schedule="1f1b")
+>>> loss, (gw, go, gx) = jshard.jit(run)(w, x0)
+>>> x = np.ones((2, 3))
+>>> for _ in range(8):
+...     x = np.tanh(x @ np.full((3, 3), 0.5))
+>>> bool(np.isclose(float(loss.full()), np.mean(x ** 2))), gw.placements
+(True, (S(0),))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from ..engine.constrain import hidden_axis
+from ..engine.kernel import local_function
+from ..engine.program import tracing_mesh
+from ..engine.walk import control, move_cost, plan_jaxpr
+from ..jaxcompat import jc, mlir
+from ..placements import Partial, Placement, Replicate, Shard, StridedShard
+from ..propagate import Choice
+from ..spec import Spec, format_mesh
+from .schedule import SCHEDULES, make_schedule
+
+__all__ = ["pipeline_value_and_grad", "pipeline_p"]
+
+
+def pipeline_value_and_grad(layer: Callable, tail: Callable, stacked: Any, other: Any, x0: Any, side: Any, *,
+                            axis: str, schedule: str = "1f1b", virtual_stages: int = 1) -> tuple[Any, tuple]:
+    """``(loss, (d stacked, d other, d x0))``: the mean over microbatches of the pipeline's loss, and its gradients.
+
+    ``layer(layer_params, x) -> y`` is one layer (``layer_params`` shaped like ``stacked`` without its leading
+    dim; ``y`` like ``x``); ``tail(other, x, *side_i) -> loss`` takes the last layer's output of microbatch ``i``;
+    ``x0`` stacks the microbatches' inputs ``[m, ...]`` and ``side`` (a tuple of arrays ``[m, ...]``) what the
+    tail reads of each. Call it inside ``jshard.jit`` (or ``TrainStep``); see the module's docstring.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline: schedule={schedule!r} is not one of {', '.join(map(repr, SCHEDULES))}")
+    leaves, tree = jax.tree.flatten(stacked)
+    o_leaves, o_tree = jax.tree.flatten(other)
+    side = tuple(side)
+    if not leaves:
+        raise ValueError("pipeline: stacked holds no arrays; pass the layers' parameters stacked along dim 0")
+    depth = leaves[0].shape[0] if leaves[0].ndim else 0
+    if any(not a.ndim or a.shape[0] != depth for a in leaves):
+        raise ValueError(f"pipeline: every stacked parameter needs the same leading dim (the layer count); got "
+                         f"shapes {[tuple(a.shape) for a in leaves]}")
+    m = x0.shape[0] if np.ndim(x0) else 0
+    if m < 1 or any(np.ndim(s) < 1 or s.shape[0] != m for s in side):
+        raise ValueError(f"pipeline: x0 and every side input stack the microbatches along dim 0; got x0 "
+                         f"{tuple(np.shape(x0))} and side {[tuple(np.shape(s)) for s in side]}")
+    layer_avals = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in leaves]
+    x_aval = jax.ShapeDtypeStruct(x0.shape[1:], x0.dtype)
+    side_avals = [jax.ShapeDtypeStruct(s.shape[1:], s.dtype) for s in side]
+    o_avals = [jax.ShapeDtypeStruct(np.shape(a), a.dtype) for a in o_leaves]
+
+    def forward(lp, x):
+        y = layer(jax.tree.unflatten(tree, lp), x)
+        if getattr(y, "shape", None) != x.shape or y.dtype != x.dtype:
+            raise TypeError(f"pipeline: a layer maps {x.dtype}{list(x.shape)} to "
+                            f"{getattr(y, 'dtype', type(y).__name__)}{list(getattr(y, 'shape', ()))}; a pipelined "
+                            "layer must return an array shaped like its input (the next layer's input)")
+        return y
+
+    def backward(lp, x, dy):
+        _, pull = jax.vjp(forward, lp, x)
+        dlp, dx = pull(dy)
+        return (*dlp, dx)
+
+    def last(o, x, *s):
+        def mean_part(o, x):
+            loss = tail(jax.tree.unflatten(o_tree, o), x, *s)
+            if getattr(loss, "shape", None) != () or not jnp.issubdtype(loss.dtype, jnp.floating):
+                raise TypeError(f"pipeline: the tail returned {getattr(loss, 'dtype', type(loss).__name__)}"
+                                f"{list(getattr(loss, 'shape', ()))}; it must return a float scalar loss")
+            return loss / m
+
+        loss, (do, dx) = jax.value_and_grad(mean_part, argnums=(0, 1))(o, x)
+        return (loss, *do, dx)
+
+    mesh = tracing_mesh()
+    if mesh is None or axis not in mesh.axis_names:
+        where = f"the mesh {format_mesh(mesh)}" if mesh is not None else "no mesh (it was called outside jshard.jit)"
+        raise ValueError(f"pipeline: axis={axis!r} is not an axis of {where}; call it inside jshard.jit (or "
+                         "TrainStep) on a mesh with that axis")
+    p = mesh.shape[axis]
+    with hidden_axis(axis, mesh.axis_names):
+        fwd = jax.make_jaxpr(forward)(layer_avals, x_aval)
+        bwd = jax.make_jaxpr(backward)(layer_avals, x_aval, x_aval)
+        tl = jax.make_jaxpr(last)(o_avals, x_aval, *side_avals)
+    make_schedule(schedule, p, m, virtual_stages)  # the schedule's own errors, before the program is planned
+    if depth % (p * virtual_stages):
+        raise ValueError(f"pipeline: {depth} layers do not split into {p} stages x {virtual_stages} virtual stages "
+                         f"on mesh axis {axis!r}; use a layer count that is a multiple of {p * virtual_stages}")
+    out = pipeline_p.bind(*leaves, *o_leaves, x0, *side, fwd=fwd, bwd=bwd, tail=tl, axis=axis, kind=schedule,
+                          virtual=virtual_stages, counts=(len(leaves), len(o_leaves), len(side)))
+    n, k = len(leaves), len(o_leaves)
+    loss, d_stacked, d_other, dx0 = out[0], out[1:1 + n], out[1 + n:1 + n + k], out[1 + n + k]
+    return loss, (jax.tree.unflatten(tree, d_stacked), jax.tree.unflatten(o_tree, d_other), dx0)
+
+
+# -- the primitive ------------------------------------------------------------------------------------------------
+
+def _abstract(*args, fwd, bwd, tail, axis, kind, virtual, counts):
+    n, k, _ = counts
+    loss = jax.core.ShapedArray((), tail.out_avals[0].dtype)
+    return [loss, *[a for a in args[:n]], *[a for a in args[n:n + k]], args[n + k]]
+
+
+def _impl(*args, fwd, bwd, tail, axis, kind, virtual, counts):
+    """One device: the microbatches one after another through every layer, then back."""
+    n, k, s = counts
+    stacked, other, x0, side = args[:n], args[n:n + k], args[n + k], args[n + k + 1:]
+    depth = stacked[0].shape[0]
+    loss = jnp.zeros((), tail.out_avals[0].dtype)
+    d_stacked = [jnp.zeros_like(a) for a in stacked]
+    d_other = [jnp.zeros_like(a) for a in other]
+    dx0 = []
+    for i in range(x0.shape[0]):
+        xs = [x0[i]]
+        for j in range(depth):
+            xs.append(jax.core.eval_jaxpr(fwd.jaxpr, fwd.consts, *[a[j] for a in stacked], xs[-1])[0])
+        li, *do, dy = jax.core.eval_jaxpr(tail.jaxpr, tail.consts, *other, xs[-1], *[a[i] for a in side])
+        loss = loss + li
+        d_other = [a + b for a, b in zip(d_other, do, strict=True)]
+        for j in reversed(range(depth)):
+            *dl, dy = jax.core.eval_jaxpr(bwd.jaxpr, bwd.consts, *[a[j] for a in stacked], xs[j], dy)
+            d_stacked = [a.at[j].add(b) for a, b in zip(d_stacked, dl, strict=True)]
+        dx0.append(dy)
+    return [loss, *d_stacked, *d_other, jnp.stack(dx0)]
+
+
+def _primitive() -> jc.Primitive:
+    p = jc.Primitive("jshard_pipeline")
+    p.multiple_results = True
+    p.def_impl(_impl)
+    p.def_abstract_eval(_abstract)
+    mlir.register_lowering(p, mlir.lower_fun(_impl, multiple_results=True))
+    return p
+
+
+pipeline_p = _primitive()
+
+
+# -- the plan: stages on the pipeline axis, each stage's code planned on the others --------------------------------
+
+@control("jshard_pipeline")
+def plan_pipeline(eqn: jc.JaxprEqn, specs: list[Spec], mesh: Mesh) -> tuple[Choice, Callable, tuple]:
+    prm = eqn.params
+    n, k, s = prm["counts"]
+    axis, v = prm["axis"], prm["virtual"]
+    if axis not in mesh.axis_names:
+        raise ValueError(f"pipeline: mesh axis {axis!r} is not in the mesh (axes {mesh.axis_names}); name one of them")
+    ax = mesh.axis_names.index(axis)
+    p = mesh.shape[axis]
+    stacked, other, x0, side = specs[:n], specs[n:n + k], specs[n + k], specs[n + k + 1:]
+    depth, m = stacked[0].shape[0], x0.shape[0]
+    sched = make_schedule(prm["kind"], p, m, v)
+    split = Shard(0) if v == 1 else StridedShard(0, v)
+    sub = Mesh(np.take(mesh.devices, 0, axis=ax), tuple(a for a in mesh.axis_names if a != axis))
+
+    # what the program takes: the layers split along the axis (dim 0 whole on the others), everything else
+    # replicated along it; microbatch stacks whole along dim 0 (a tick reads one microbatch)
+    ins_stacked = [_along(sp, ax, split, keep_dim0=False) for sp in stacked]
+    ins_other = [_along(sp, ax, Replicate(), keep_dim0=True) for sp in other]
+    ins_x0, *ins_side = [_along(sp, ax, Replicate(), keep_dim0=False) for sp in (x0, *side)]
+    layer = [_inner(sp, sub, ax, drop_dim0=True) for sp in ins_stacked]
+    tail_in = [_inner(sp, sub, ax, drop_dim0=False) for sp in ins_other]
+    x = _inner(ins_x0, sub, ax, drop_dim0=True)
+    side_in = [_inner(sp, sub, ax, drop_dim0=True) for sp in ins_side]
+
+    fwd = plan_jaxpr(prm["fwd"], layer + [x], sub)
+    bwd = plan_jaxpr(prm["bwd"], layer + [x, x], sub)
+    tail = plan_jaxpr(prm["tail"], tail_in + [x] + side_in, sub)
+    whole = (Replicate(),) * len(sub.axis_names)
+    fwd_pins = [x]
+    bwd_pins = [None] * n + [x]  # gradients accumulate as the plan makes them (a Partial is reduced once, after)
+    tail_pins = [tail.out_specs[0].with_placements(whole)] + [None] * k + [x]
+    d_layer, d_other = bwd.out_specs[:n], tail.out_specs[1:1 + k]
+
+    outs = [_outer(tail_pins[0], mesh, ax, Partial("sum"), stack=None),
+            *[_outer(sp, mesh, ax, split, stack=depth) for sp in d_layer],
+            *[_outer(sp, mesh, ax, Partial("sum"), stack=None) for sp in d_other],
+            _outer(x, mesh, ax, Partial("sum"), stack=m)]
+    kernel = _kernel(sched, axis, depth, local_function(fwd, fwd_pins), local_function(bwd, bwd_pins),
+                     local_function(tail, tail_pins), counts=(n, k, s),
+                     accumulators=([(sp.local_block_shape, sp.dtype) for sp in d_layer],
+                                   [(sp.local_block_shape, sp.dtype) for sp in d_other]))
+    units = m * v  # forward and backward units per device, each over L/(p*v) layers
+    cost = (move_cost(specs, ins_stacked + ins_other + [ins_x0] + ins_side)
+            + units * (depth // (p * v)) * (fwd.cost + move_cost(fwd.out_specs, fwd_pins) + 2 * bwd.cost)
+            + m * tail.cost + sched.ticks * 2 * _send_cost(x))
+    bodies = (("layer forward", fwd, fwd_pins), ("layer backward", bwd, bwd_pins), ("tail", tail, tail_pins))
+    return Choice(tuple(ins_stacked + ins_other + [ins_x0] + ins_side), tuple(outs), cost, None), kernel, bodies
+
+
+def _along(spec: Spec, ax: int, placement: Placement, keep_dim0: bool) -> Spec:
+    """``spec`` with ``placement`` on mesh axis ``ax`` and, unless ``keep_dim0``, dim 0 whole on the others."""
+    ps = [Replicate() if (not keep_dim0 and q.is_shard and q.dim == 0) else q for q in spec.placements]
+    ps = [Replicate() if q.is_partial else q for q in ps]  # a program input is whole (a Partial is reduced first)
+    ps[ax] = placement
+    return spec.with_placements(ps, where="pipeline")
+
+
+def _inner(spec: Spec, sub: Mesh, ax: int, drop_dim0: bool) -> Spec:
+    """The spec of one slice (``drop_dim0``) or of the whole of ``spec``'s value, on the mesh without axis ``ax``."""
+    ps = [q for i, q in enumerate(spec.placements) if i != ax]
+    if drop_dim0:
+        ps = [type(q)(q.dim - 1, *([q.split_factor] if q.split_factor != 1 else [])) if q.is_shard else q for q in ps]
+    return Spec.create(sub, ps, spec.shape[1:] if drop_dim0 else spec.shape, spec.dtype, where="pipeline")
+
+
+def _outer(spec: Spec, mesh: Mesh, ax: int, placement: Placement, stack: int | None) -> Spec:
+    """``_inner`` undone: an inner spec on the whole mesh, with ``placement`` on axis ``ax`` (stacked ``stack`` deep
+    along a new dim 0 where given)."""
+    ps = list(spec.placements)
+    shape = spec.shape
+    if stack is not None:
+        ps = [type(q)(q.dim + 1, *([q.split_factor] if q.split_factor != 1 else [])) if q.is_shard else q for q in ps]
+        shape = (stack, *shape)
+    ps.insert(ax, placement)
+    return Spec.create(mesh, ps, shape, spec.dtype, where="pipeline")
+
+
+def _send_cost(spec: Spec) -> float:
+    """µs of sending one activation block to a neighbour (a rough figure: the plan has no alternative)."""
+    return spec.local_bytes / 1e4
+
+
+def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Callable, counts,
+            accumulators) -> Callable:
+    """The per-device loop over the schedule's ticks (see the module's docstring). ``accumulators``: the local
+    (shape, dtype) of one layer's gradients and of the tail's, as their plans make them."""
+    n, k, s = counts
+    p, v, slots = sched.stages, sched.virtual_stages, sched.slots
+    per = depth // (p * v)
+    tables = _tables(sched)
+
+    def layers_forward(chunk, x):
+        return jax.lax.scan(lambda x, lp: (fwd(*lp, x)[0], None), x, chunk)[0]
+
+    def layers_backward(chunk, x, dy):
+        _, xs = jax.lax.scan(lambda x, lp: (fwd(*lp, x)[0], x), x, chunk)
+
+        def step(dy, lx):
+            lp, xi = lx
+            *dl, dx = bwd(*lp, xi, dy)
+            return dx, dl
+
+        dx, dl = jax.lax.scan(step, dy, (chunk, xs), reverse=True)
+        return list(dl), dx
+
+    def run(*blocks):
+        stacked, other, x0, side = blocks[:n], blocks[n:n + k], blocks[n + k], blocks[n + k + 1:]
+        chunks = [a.reshape((v, per) + a.shape[1:]) for a in stacked]
+        d = jax.lax.axis_index(axis)
+        tab = {name: jnp.asarray(t) for name, t in tables.items()}
+        buf = jnp.zeros((v, slots) + x0.shape[1:], x0.dtype)
+        carry = dict(stash=buf, fin=buf, bin=buf, loss=jnp.zeros((), jnp.float32),
+                     grads=[jnp.zeros((v, per) + shape, dtype) for shape, dtype in accumulators[0]],
+                     other=[jnp.zeros(shape, dtype) for shape, dtype in accumulators[1]], dx0=jnp.zeros_like(x0))
+
+        def at(name, t):
+            return tab[name][t, d]
+
+        def tick(t, c):
+            fm, fc, bm, bc = at("fm", t), at("fc", t), at("bm", t), at("bc", t)
+
+            def forward(c):
+                slot = fm % slots
+                xin = jnp.where(at("first_f", t), x0[fm], c["fin"][fc, slot])
+                c = dict(c, stash=c["stash"].at[fc, slot].set(xin))
+                y = layers_forward([a[fc] for a in chunks], xin)
+
+                def loss_of(c):
+                    li, *do, dy = tail(*other, y, *[a[fm] for a in side])
+                    acc = [a + b for a, b in zip(c["other"], do, strict=True)]
+                    return dict(c, loss=c["loss"] + li.astype(jnp.float32), other=acc,
+                                bin=c["bin"].at[fc, slot].set(dy))
+
+                return jax.lax.cond(at("last_f", t), loss_of, lambda c: c, c), y
+
+            c, y = jax.lax.cond(fm >= 0, forward, lambda c: (c, jnp.zeros_like(x0[0])), c)
+
+            def backward(c):
+                slot = bm % slots
+                dl, dx = layers_backward([a[bc] for a in chunks], c["stash"][bc, slot], c["bin"][bc, slot])
+                grads = [g.at[bc].add(e) for g, e in zip(c["grads"], dl, strict=True)]
+                dx0 = jnp.where(at("first_b", t), c["dx0"].at[bm].set(dx), c["dx0"])
+                return dict(c, grads=grads, dx0=dx0), dx
+
+            c, dx = jax.lax.cond(bm >= 0, backward, lambda c: (c, jnp.zeros_like(x0[0])), c)
+            if p > 1:
+                y = jax.lax.ppermute(y, axis, [(i, (i + 1) % p) for i in range(p)])
+                dx = jax.lax.ppermute(dx, axis, [(i, (i - 1) % p) for i in range(p)])
+            fin = jnp.where(at("rf", t) >= 0, c["fin"].at[at("rfc", t), at("rf", t) % slots].set(y), c["fin"])
+            bin_ = jnp.where(at("rb", t) >= 0, c["bin"].at[at("rbc", t), at("rb", t) % slots].set(dx), c["bin"])
+            return dict(c, fin=fin, bin=bin_)
+
+        c = jax.lax.fori_loop(0, sched.ticks, tick, carry)
+        grads = [g.reshape((v * per,) + g.shape[2:]) for g in c["grads"]]
+        return [c["loss"].astype(jnp.float32), *grads, *c["other"], c["dx0"]]
+
+    return run
+
+
+def _tables(sched) -> dict[str, np.ndarray]:
+    """The schedule's tables as the kernel reads them, ``[ticks, p]`` each: the forward and backward unit's
+    microbatch (-1: none) and chunk; whether the forward unit is the first or last virtual stage, the backward the
+    first; and what arrives after the tick: the microbatch (-1: nothing) and chunk of the activation from the
+    previous device (``rf``, ``rfc``) and of the gradient from the next (``rb``, ``rbc``)."""
+    p, v = sched.stages, sched.virtual_stages
+    last = p * v - 1
+    d = np.arange(p)[None, :]
+    fm, fc = np.asarray(sched.forward), np.asarray(sched.forward_chunk)
+    bm, bc = np.asarray(sched.backward), np.asarray(sched.backward_chunk)
+    fvs, bvs = fc * p + d, bc * p + d
+    src_f, src_b = (np.arange(p) - 1) % p, (np.arange(p) + 1) % p
+    sent_f = (fm[:, src_f] >= 0) & (fvs[:, src_f] < last)
+    sent_b = (bm[:, src_b] >= 0) & (bvs[:, src_b] > 0)
+    return {
+        "fm": fm, "fc": fc, "bm": bm, "bc": bc,
+        "first_f": (fm >= 0) & (fvs == 0), "last_f": (fm >= 0) & (fvs == last), "first_b": (bm >= 0) & (bvs == 0),
+        "rf": np.where(sent_f, fm[:, src_f], -1), "rfc": np.where(sent_f, (fvs[:, src_f] + 1) // p, 0),
+        "rb": np.where(sent_b, bm[:, src_b], -1), "rbc": np.where(sent_b, (bvs[:, src_b] - 1) // p, 0),
+    }
+
