@@ -26,7 +26,8 @@ class Explanation:
     the specs its inputs run with, its output specs, the redistributions of its inputs as
     ``(input, kind, mesh axes, bytes per device)``; ``shared``: per move, whether it shares its collective with
     other moves made at the same point; ``own``: the collectives the equation's local form runs itself, a rule
-    that communicates, as ``(kind, mesh axes, bytes per device, count)``), the output pins, and totals per
+    that communicates, as ``(kind, mesh axes, bytes per device, count)``; ``note``: what its rule says of it, such
+    as a pipeline's schedule), the output pins, and totals per
     collective kind (``{kind: (count, bytes)}``, a shared collective counted once). ``str()`` prints it as a
     table."""
 
@@ -47,6 +48,8 @@ class Explanation:
                              + ("  (one collective with other moves)" if shared else ""))
             for kind, axes, nbytes, count in r.get("own", ()):
                 lines.append(f"      own: {kind} x{count} over ({', '.join(axes)})  {nbytes:,} B per device each")
+            if r.get("note"):
+                lines.extend("      " + line for line in r["note"].splitlines())
         lines.append("totals: " + (", ".join(f"{k} x{c} ({b:,} B)" for k, (c, b) in sorted(self.totals.items()))
                                    or "no collectives"))
         return "\n".join(lines)
@@ -92,8 +95,10 @@ def _explanation(traced: Traced) -> Explanation:
             for kind, _, nbytes, count in own:
                 c, b = totals.get(kind, (0, 0))
                 totals[kind] = (c + count, b + nbytes * count)
+            describe = getattr(eq.choice.rule, "describe", None)
+            note = describe(eq.eqn.params, eq.choice.ins, eq.choice.outs) if describe else None
             rows.append(dict(primitive=where + eq.eqn.primitive.name, source=eq.source, ins=list(eq.choice.ins),
-                             outs=list(eq.choice.outs), moves=moves, shared=marks, own=own))
+                             outs=list(eq.choice.outs), moves=moves, shared=marks, own=own, note=note))
             for label, body, body_pins in eq.bodies:
                 walk(body, body_pins, f"{where}{eq.eqn.primitive.name} {label} | ")
         for j, move in enumerate(out_moves(plan, pins)):

@@ -37,6 +37,7 @@ input gradient too (the first stage did); the stacked gradients lie like the par
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -45,17 +46,23 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from ..cost import Communication
 from ..engine.constrain import hidden_axis
 from ..engine.kernel import local_function
 from ..engine.program import tracing_mesh
 from ..engine.walk import control, move_cost, plan_jaxpr
-from ..jaxcompat import jc, mlir
+from ..jaxcompat import jc, mlir, source_info_util
 from ..placements import Partial, Placement, Replicate, Shard, StridedShard
+from ..planner import model_in_force
 from ..propagate import Choice
+from ..rules.registry import Rule
 from ..spec import Spec, format_mesh
 from .schedule import SCHEDULES, make_schedule
 
 __all__ = ["pipeline_value_and_grad", "pipeline_p"]
+
+# equations are attributed to the user's line: jshard's own wrappers are not it
+source_info_util.register_exclusion(os.path.abspath(__file__))
 
 
 def pipeline_value_and_grad(layer: Callable, tail: Callable, stacked: Any, other: Any, x0: Any, side: Any, *,
@@ -219,12 +226,15 @@ def plan_pipeline(eqn: jc.JaxprEqn, specs: list[Spec], mesh: Mesh) -> tuple[Choi
                      local_function(tail, tail_pins), counts=(n, k, s),
                      accumulators=([(sp.local_block_shape, sp.dtype) for sp in d_layer],
                                    [(sp.local_block_shape, sp.dtype) for sp in d_other]))
+    rule = Rule("jshard_pipeline", strategies=None, communicates=lambda *_: _sends(sched, axis, x),
+                describe=lambda *_: f"{sched!r}\n{sched.table()}")
     units = m * v  # forward and backward units per device, each over L/(p*v) layers
+    model = model_in_force()
     cost = (move_cost(specs, ins_stacked + ins_other + [ins_x0] + ins_side)
             + units * (depth // (p * v)) * (fwd.cost + move_cost(fwd.out_specs, fwd_pins) + 2 * bwd.cost)
-            + m * tail.cost + sched.ticks * 2 * _send_cost(x))
+            + m * tail.cost + sum(c.cost(model, dict(mesh.shape)) for c in _sends(sched, axis, x)))
     bodies = (("layer forward", fwd, fwd_pins), ("layer backward", bwd, bwd_pins), ("tail", tail, tail_pins))
-    return Choice(tuple(ins_stacked + ins_other + [ins_x0] + ins_side), tuple(outs), cost, None), kernel, bodies
+    return Choice(tuple(ins_stacked + ins_other + [ins_x0] + ins_side), tuple(outs), cost, rule), kernel, bodies
 
 
 def _along(spec: Spec, ax: int, placement: Placement, keep_dim0: bool) -> Spec:
@@ -255,9 +265,12 @@ def _outer(spec: Spec, mesh: Mesh, ax: int, placement: Placement, stack: int | N
     return Spec.create(mesh, ps, shape, spec.dtype, where="pipeline")
 
 
-def _send_cost(spec: Spec) -> float:
-    """µs of sending one activation block to a neighbour (a rough figure: the plan has no alternative)."""
-    return spec.local_bytes / 1e4
+def _sends(sched, axis: str, x: Spec) -> list[Communication]:
+    """What the kernel sends: per tick one activation block forward and one gradient block back (zeros where the
+    schedule has nothing to send: every device takes part in every ``ppermute``)."""
+    if sched.stages == 1:
+        return []
+    return [Communication("permute", (axis,), x.local_bytes, count=2 * sched.ticks)]
 
 
 def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Callable, counts,

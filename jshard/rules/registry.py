@@ -144,13 +144,15 @@ class Rule:
     function when binding the primitive with its params on local blocks would be wrong (global sizes in params,
     offsets, masks); ``check`` (optional) rejects N-D combinations that single-axis tuples cannot rule out;
     ``communicates`` (optional) lists the collectives the local form itself runs (a ring of ``ppermute`` steps):
-    the selection adds their cost to the moves it prices, ``explain`` and XLA:CPU's in-flight limit see them."""
+    the selection adds their cost to the moves it prices, ``explain`` and XLA:CPU's in-flight limit see them;
+    ``describe`` (optional) is a text ``explain`` prints under the equation (a pipeline's schedule)."""
 
     name: str
     strategies: Strategies
     local: LocalHook | None = None
     check: CheckHook | None = None
     communicates: CommunicatesHook | None = None
+    describe: Callable[[dict, tuple, tuple], str] | None = None  # text explain prints under the equation
 
 
 _RULES: dict[str, Rule] = {}

@@ -241,3 +241,18 @@ def test_train_step_refuses_a_batch_the_microbatches_do_not_split():
     with pytest.raises(ValueError, match=r"cuts the batch into 3 microbatches along dim 0, and a batch input has "
                                          r"shape \(8, 8\)"):
         step(x)
+
+
+def test_explain_shows_the_schedule_and_the_sends_the_program_runs():
+    from jshard.parallel.schedule import make_schedule
+
+    mesh = jax.make_mesh((4, 2), ("pp", "dp"))
+    plan, default = gpt_plan("pp+fsdp", microbatches=4)
+    step = TrainStep(parallelize(_make, mesh, plan, default=default), optax.sgd(0.1), _loss)
+    ids = jshard.distribute(_batches(1)[0][0], mesh, [Replicate(), Shard(0)])
+    explained = step.explain(ids, ids)
+    schedule = make_schedule("1f1b", 4, 4)
+    row = next(r for r in explained.rows if r["primitive"] == "jshard_pipeline")
+    assert schedule.table() in row["note"] and "      stage 3  ." in str(explained)
+    activation = (B // 4 // 2) * S * W * 4  # one microbatch's activation block on a device: batch over dp
+    assert row["own"] == [("permute", ("pp",), activation, 2 * schedule.ticks)]
