@@ -45,6 +45,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -53,7 +54,7 @@ from ..api import jit
 from ..darray import DArray
 from ..jaxcompat import jc, open_jaxpr, source_info_util
 
-__all__ = ["Constructor", "initialise", "trace_constructor"]
+__all__ = ["Constructor", "initialise", "stack", "trace_constructor"]
 
 # elements: a value this small is made by the eager key chain, and recomputed by every program that reads it
 SMALL = 1 << 12
@@ -94,11 +95,16 @@ def trace_constructor(build: Callable[[], nnx.Module]) -> Constructor:
     return Constructor(nnx.merge(made["graphdef"], state), closed, other)
 
 
-def initialise(build: Callable[[], nnx.Module] | Constructor, mesh: Mesh,
-               placements: list[tuple]) -> tuple[list[DArray], Any]:
+def initialise(build: Callable[[], nnx.Module] | Constructor, mesh: Mesh, placements: list[tuple],
+               stacks: list[tuple[list[int], tuple]] = ()) -> tuple[list[DArray | None], Any]:
     """The parameters ``build()`` makes as DArrays with ``placements`` (in ``nnx.iter_graph`` order), every
     device computing only its own blocks, and the module's other state (an ``nnx.State`` of plain arrays).
-    ``build`` may be its ``trace_constructor`` already."""
+    ``build`` may be its ``trace_constructor`` already.
+
+    ``stacks``: ``(members, placements)`` pairs, parameters (by position) to make as one array stacked along a
+    new dim 0 with those placements (a pipeline's blocks): where the members are one group, one program draws
+    the stack from their keys, every device only its own members' blocks, and it takes the first member's place
+    in the result, the others' being None. Members that are not one group come back one by one."""
     closed, other = (build if isinstance(build, Constructor) else trace_constructor(build))[1:]
     graph = _Graph(*open_jaxpr(closed))
     n, n_other = len(placements), len(jax.tree.leaves(other))
@@ -109,21 +115,49 @@ def initialise(build: Callable[[], nnx.Module] | Constructor, mesh: Mesh,
     data = dict(zip(roots, jax.device_get([jax.random.key_data(k) for k in made]), strict=True))
     impls = {v: jax.random.key_impl(k) for v, k in zip(roots, made, strict=True)}
     values: list[Any] = [None] * n
+    stacked = {m: k for k, (members, _) in enumerate(stacks) for m in members}
+    drawn = set()
     for members in groups:
         order, cuts = graph.slices[members[0]]
-        program = jit(_from_key_data(graph.replay(order, cuts, [params[members[0]]]), [impls[v] for v in cuts]),
-                      out_placements=[placements[members[0]]], mesh=mesh)
+        draw = _from_key_data(graph.replay(order, cuts, [params[members[0]]]), [impls[v] for v in cuts])
+        for k in dict.fromkeys(stacked[m] for m in members if m in stacked):
+            ms, where = stacks[k]
+            if set(ms) <= set(members):  # a stage draws only its own members: the keys are split like the stack
+                keys = [np.stack(column) for column in zip(*[[data[v] for v in graph.slices[m][1]] for m in ms],
+                                                           strict=True)]
+                drawing = jit(jax.vmap(draw, axis_size=len(ms)), out_placements=[where], mesh=mesh)
+                values[ms[0]] = drawing(*keys)[0]
+                drawn.add(k)
+        program = jit(draw, out_placements=[placements[members[0]]], mesh=mesh)
         for m in members:
-            values[m] = program(*[data[v] for v in graph.slices[m][1]])[0]
+            if stacked.get(m) not in drawn:
+                values[m] = program(*[data[v] for v in graph.slices[m][1]])[0]
     if rest:
         order, _ = graph.closure([params[m] for m in rest])
         together = jit(graph.replay(order, [], [params[m] for m in rest]),
                        out_placements=[placements[m] for m in rest], mesh=mesh)
         for m, value in zip(rest, together(), strict=True):
             values[m] = value
+    for k, (ms, where) in enumerate(stacks):
+        if k not in drawn:  # members drawn apart (not one group, or alone): stacked from them
+            values[ms[0]] = stack([values[m] for m in ms], where)
+        for m in ms[1:]:
+            values[m] = None
     order, _ = graph.closure(others)
     state = jax.jit(graph.replay(order, [], others))() if others else []
     return values, jax.tree.unflatten(jax.tree.structure(other), state)
+
+
+def stack(values: list[DArray], placements: tuple) -> DArray:
+    """``values`` (DArrays of one shape) stacked along a new dim 0, with ``placements``.
+
+    >>> import jax, numpy as np, jshard
+    >>> mesh = jax.make_mesh((8,), ("x",))
+    >>> parts = [jshard.distribute(np.full(3, i, np.float32), mesh, [jshard.Replicate()]) for i in range(8)]
+    >>> stack(parts, (jshard.Shard(0),)).spec.local_block_shape
+    (1, 3)
+    """
+    return jit(lambda *xs: jnp.concatenate([x[None] for x in xs]), out_placements=placements)(*values)
 
 
 def _split(module: nnx.Module) -> tuple[list, nnx.State]:

@@ -52,8 +52,8 @@ from ..darray import DArray, distribute
 from ..jaxcompat import source_info_util
 from ..placements import Placement, Replicate
 from ..spec import Spec, format_mesh, shard_order
-from .initialise import Constructor, initialise, trace_constructor
-from .stages import stack_blocks
+from .initialise import Constructor, initialise, stack, trace_constructor
+from .stages import Pipelined, stacked_placements
 from .styles import ParallelStyle, PipelineParallel, UnplacedParameter, _is_array, style_classes
 
 __all__ = ["parallelize", "placements_of"]
@@ -117,11 +117,12 @@ def parallelize(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh,
     pipelines = _pipelines(matched, mesh)
     params = _place(model, matched, mesh, rules)
     units = _units(matched, params)
-    values = _build(model, build, mesh, params)
+    stacks = _stacks(params, pipelines, mesh)
+    values = _build(model, build, mesh, params, stacks)
     _install(matched, params, values, units)
-    for path, style in pipelines:
-        parent, name = matched.modules[path[:-1]], path[-1]
-        setattr(parent, name, stack_blocks(list(matched.modules[path]), mesh, style, _key(path)))
+    for path, style in pipelines:  # the first block holds every block's parameters, stacked
+        blocks = list(matched.modules[path])
+        setattr(matched.modules[path[:-1]], path[-1], Pipelined(blocks[0], len(blocks), style))
     return model
 
 
@@ -308,12 +309,19 @@ def _units(matched: _Matched, params: list[_Placed]) -> dict[tuple, tuple]:
     return {unit: tuple((rel, tuple(axes)) for rel, axes in g.items()) for unit, g in gathers.items()}
 
 
-def _build(model: nnx.Module, build: Constructor | None, mesh: Mesh, params: list[_Placed]) -> list[DArray]:
+def _build(model: nnx.Module, build: Constructor | None, mesh: Mesh, params: list[_Placed],
+           stacks: list[tuple[list[int], tuple]]) -> list[DArray | None]:
     """Step 4, the values: a built model's parameters distributed from where they are; a constructor's computed in
-    their placements, its other state (RNG streams) going into the abstract model."""
+    their placements, its other state (RNG streams) going into the abstract model, a pipeline's blocks drawn
+    stacked where they can be (``stacks``: the first block's parameter then holds the stack, the others None)."""
     if build is None:
-        return [distribute(p.value, mesh, list(p.placements)) for p in params]
-    values, other = initialise(build, mesh, [p.placements for p in params])
+        values = [distribute(p.value, mesh, list(p.placements)) for p in params]
+        for members, placements in stacks:
+            values[members[0]] = stack([values[m] for m in members], placements)
+            for m in members[1:]:
+                values[m] = None
+        return values
+    values, other = initialise(build, mesh, [p.placements for p in params], stacks)
     nnx.update(model, other)
     return values
 
@@ -333,7 +341,8 @@ def _install(matched: _Matched, params: list[_Placed], values: list[DArray], uni
         wrap = constraining or path in units or path in holders
         classes[path] = _constrained(base, constraining, units.get(path, ())) if wrap else base
     for p, value in zip(params, values, strict=True):
-        p.var.set_value(value)
+        if value is not None:  # None: a pipelined block's parameter, drawn into the first block's stack
+            p.var.set_value(value)
     for path, cls in classes.items():
         matched.modules[path].__class__ = cls
 
@@ -376,6 +385,21 @@ def _pipelines(matched: _Matched, mesh: Mesh) -> list[tuple[tuple, PipelineParal
         raise ValueError(f"parallelize: PipelineParallel is matched on {len(found)} lists of blocks "
                          f"({', '.join(_key(p) for p, _ in found)}); a model has one pipeline")
     return found
+
+
+def _stacks(params: list[_Placed], pipelines: list[tuple[tuple, PipelineParallel]],
+            mesh: Mesh) -> list[tuple[list[int], tuple]]:
+    """Per parameter of a pipelined block (by its path inside the block): the parameters of every block, in block
+    order, and the placements of their stack (``stacked_placements``)."""
+    stacks = []
+    for path, style in pipelines:
+        by_name: dict[tuple, list[int]] = {}
+        for i, p in enumerate(params):
+            if p.path[:len(path)] == path:
+                by_name.setdefault(p.path[len(path) + 1:], []).append(i)
+        for members in by_name.values():
+            stacks.append((members, stacked_placements(params[members[0]].placements, mesh, style, _key(path))))
+    return stacks
 
 
 def _signature(module: nnx.Module) -> tuple:

@@ -50,13 +50,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from ..api import jit
 from ..darray import DArray
 from ..jaxcompat import jc, open_jaxpr, source_info_util
 from ..placements import Placement, Replicate, Shard, StridedShard
 from .pipeline import pipeline_value_and_grad
 
-__all__ = ["Pipelined", "find_pipelined", "stack_blocks", "value_and_grad"]
+__all__ = ["Pipelined", "find_pipelined", "split_placement", "stacked_placements", "value_and_grad"]
 
 # equations are attributed to the user's line: jshard's own wrappers are not it
 source_info_util.register_exclusion(os.path.abspath(__file__))
@@ -114,28 +113,18 @@ def split_placement(virtual_stages: int) -> Placement:
     return Shard(0) if virtual_stages == 1 else StridedShard(0, virtual_stages)
 
 
-def stack_blocks(blocks: list[nnx.Module], mesh: Mesh, style: Any, where: str) -> Pipelined:
-    """``blocks`` (identical modules with DArray parameters, replicated along ``style.axis``) as one ``Pipelined``
-    module; the first block's module holds the stacked parameters (the others are dropped)."""
+def stacked_placements(placements: tuple, mesh: Mesh, style: Any, where: str = "") -> tuple:
+    """The placements of a block parameter's stack (a new dim 0) from one block's: split along the pipeline axis,
+    as they were on the others."""
     axis = list(mesh.axis_names).index(style.axis)
-    states = [nnx.state(b, nnx.Param) for b in blocks]
-    leaves = [jax.tree.leaves(s, is_leaf=lambda a: isinstance(a, DArray)) for s in states]
-    stacked = []
-    for parts in zip(*leaves, strict=True):
-        spec = parts[0].spec
-        placements = [type(q)(q.dim + 1, *([q.split_factor] if q.split_factor != 1 else [])) if q.is_shard else q
-                      for q in spec.placements]
-        if placements[axis] != Replicate():
-            raise ValueError(f"parallelize: a parameter of {where} is placed {spec.placements[axis]!r} on mesh axis "
-                             f"{style.axis!r}, which {style.label} uses for the stages; place the blocks' parameters "
-                             "on the other axes")
-        placements[axis] = split_placement(style.virtual_stages)
-        stack = jit(lambda *xs: jnp.concatenate([x[None] for x in xs]), out_placements=tuple(placements))
-        stacked.append(stack(*parts))
-    layers = blocks[0]
-    tree = jax.tree.structure(states[0], is_leaf=lambda a: isinstance(a, DArray))
-    nnx.update(layers, jax.tree.unflatten(tree, stacked))
-    return Pipelined(layers, len(blocks), style)
+    shifted = [type(q)(q.dim + 1, *([q.split_factor] if q.split_factor != 1 else [])) if q.is_shard else q
+               for q in placements]
+    if shifted[axis] != Replicate():
+        raise ValueError(f"parallelize: a parameter of {where or 'a pipelined block'} is placed {placements[axis]!r} "
+                         f"on mesh axis {style.axis!r}, which {style.label} uses for the stages; place the blocks' "
+                         "parameters on the other axes")
+    shifted[axis] = split_placement(style.virtual_stages)
+    return tuple(shifted)
 
 
 # -- the step -----------------------------------------------------------------------------------------------------

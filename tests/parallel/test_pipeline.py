@@ -256,3 +256,33 @@ def test_explain_shows_the_schedule_and_the_sends_the_program_runs():
     assert schedule.table() in row["note"] and "      stage 3  ." in str(explained)
     activation = (B // 4 // 2) * S * W * 4  # one microbatch's activation block on a device: batch over dp
     assert row["own"] == [("permute", ("pp",), activation, 2 * schedule.ticks)]
+
+
+def test_pipelined_blocks_are_drawn_stacked_each_stage_drawing_its_own(monkeypatch):
+    import jshard.parallel.initialise as initialise
+
+    plans, real = [], initialise.jit
+
+    def spy(fn, **kwargs):
+        program = real(fn, **kwargs)
+
+        def call(*args):
+            plans.append((kwargs["out_placements"], program.trace(*args).plan))
+            return program(*args)
+
+        return call
+
+    monkeypatch.setattr(initialise, "jit", spy)
+    mesh = jax.make_mesh((4, 2), ("pp", "tp"))
+    plan, _ = gpt_plan("pp+tp", microbatches=2)
+    model = parallelize(_make, mesh, plan)
+    eager = _make()
+    for name in ("q", "up", "ln1"):
+        for param in ("kernel", "bias") if name != "ln1" else ("scale", "bias"):
+            stacked = np.asarray(getattr(getattr(model.blocks.layers, name), param).get_value().full())
+            each = np.stack([np.asarray(getattr(getattr(eager.blocks[i], name), param).get_value())
+                             for i in range(LAYERS)])
+            np.testing.assert_array_equal(stacked, each)  # the eager construction's values, bit for bit
+    stacked_programs = [p for placements, p in plans if placements[0][0] == Shard(0)]
+    draws = [eq for p in stacked_programs for eq in p.equations if eq.eqn.primitive.name == "random_bits"]
+    assert draws and all(eq.choice.outs[0].placements[0] == Shard(0) for eq in draws)  # each stage its own blocks
