@@ -51,6 +51,7 @@ import time  # noqa: E402
 import traceback  # noqa: E402
 from collections.abc import Callable, Iterator, Sequence  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
+from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -222,16 +223,20 @@ def _jshard_side(name: str, step: TrainStep, dbatches: list, n: int) -> _Side:
     side = _Side(name, n, _memory(compiled), _hlo_collectives(compiled.as_text(), n),
                  extra={"explain_totals": totals, "load": _load(explained)},
                  params_specs=_param_specs(step.params))
-    if not _fits(side):
-        return side
+    if _fits(side):
+        side.run = _stepper(step, dbatches)
+    return side
+
+
+def _stepper(step: TrainStep, dbatches: list) -> Callable[[int], Any]:
+    """A jshard side's ``run(i)``: step ``i`` on its batch, waited for."""
 
     def run(i):
         loss = step(*dbatches[i])
         jax.block_until_ready(loss.block)
         return loss
 
-    side.run = run
-    return side
+    return run
 
 
 def _param_specs(params):

@@ -193,7 +193,14 @@ def _group_size(attrs: str, devices: int) -> int:
     if m:
         return len(m.group(1).split(","))
     m = re.search(r"replica_groups=\[([\d,]+)\]<=", attrs)
-    return int(m.group(1).split(",")[-1]) if m else devices
+    if m:
+        return int(m.group(1).split(",")[-1])
+    # jax 0.12 names the mesh and the axes of a group: replica_groups=mesh['pp'=2,'dp'=2] {'dp'}
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    if m:
+        sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
+        return math.prod(sizes[a] for a in re.findall(r"'([^']+)'", m.group(2)))
+    return devices
 
 
 def hlo_traffic(hlo: str, devices: int = 8) -> tuple[collections.Counter, float]:

@@ -62,7 +62,8 @@ from orbax.checkpoint import type_handlers as th
 
 from .caches import memo
 from .darray import DArray, from_jax, index_runs, local_blocks, on_devices, to_devices
-from .placements import Replicate
+from .operators import stack, unstack
+from .placements import Replicate, shift_dims
 from .spec import LayoutError, Spec, dtype_short
 
 __all__ = ["Handler", "Restore", "Save", "restore", "save"]
@@ -140,15 +141,16 @@ class Handler(ocp.AsyncCheckpointHandler):
                              "whose leaves give each value's layout (DArrays or Specs, arrays, ShapeDtypeStructs)")
         saved = self._pytree.metadata(directory).tree
         paths, leaves, treedef = _flatten(args.like, "like")
-        _check_template(directory, saved, paths, leaves)
+        targets, assemble = _regrouped(dict(_walk_saved(saved)), paths, leaves)
+        _check_template(directory, saved, list(targets), list(targets.values()))
         item, restore_args = {}, {}
-        for path, leaf in zip(paths, leaves, strict=True):
-            leaf = _orbax_target(leaf, path)
-            _insert(item, path, _template_value(leaf))
-            _insert(restore_args, path, _restore_args(leaf))
+        for path, leaf in targets.items():
+            target = _orbax_target(leaf, path)
+            _insert(item, path, _template_value(target))
+            _insert(restore_args, path, _restore_args(target))
         out = self._pytree.restore(directory, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
-        restored = [_restored(_lookup(out, p), leaf) for p, leaf in zip(paths, leaves, strict=True)]
-        return jax.tree.unflatten(treedef, restored)
+        got = {p: _restored(_lookup(out, p), leaf) for p, leaf in targets.items()}
+        return jax.tree.unflatten(treedef, [make(got) for make in assemble])
 
     def metadata(self, directory: epath.Path) -> Any:
         return self._pytree.metadata(directory)
@@ -199,6 +201,70 @@ def _check_not_keys(spec: Spec, what: str) -> None:
         raise ValueError(f"{what} is a key array laid out as {spec}, which no NamedSharding expresses, and keys "
                          "are checkpointed only as jax.Arrays; use a layout of even Shards and Replicate for it "
                          "(redistribute, or a Spec with such placements)")
+
+
+def _regrouped(saved: dict, paths: list[tuple[str, ...]], leaves: list[Any]) -> tuple[dict, list]:
+    """What to restore for like's leaves, and per leaf how to make it from what was restored: each as it is, but
+    where like and the checkpoint hold a pipeline's blocks the other way round. A pipelined model holds its
+    blocks' parameters (and their optimizer state) stacked, ``blocks.layers.q.kernel`` of shape ``[L, ...]``
+    (``jshard.parallel.stages``); the same model not pipelined holds ``blocks.0.q.kernel`` ... ``blocks.{L-1}``.
+    Restoring one into the other reads the blocks one by one (each replicated along the stack's pipeline axis,
+    then stacked: each device keeps its own) or the stack whole on its dim 0 (then sliced: as a model that is
+    not pipelined holds every block)."""
+    targets: dict = {}
+    assemble: list = []
+    slices: dict = {}  # stacked path -> its blocks, sliced once for every block of like that reads them
+    for path, leaf in zip(paths, leaves, strict=True):
+        spec = leaf.spec if isinstance(leaf, DArray) else leaf if isinstance(leaf, Spec) else None
+        if path in saved or spec is None:
+            targets[path] = leaf
+            assemble.append(lambda got, p=path: got[p])
+            continue
+        blocks = _as_blocks(saved, path, spec)
+        if blocks is not None:  # like stacked, the checkpoint block by block
+            per = Spec.create(spec.mesh, [Replicate() if q.is_shard and q.dim == 0 else q
+                                          for q in shift_dims(spec.placements, -1)], spec.shape[1:], spec.dtype)
+            targets.update((b, per) for b in blocks)
+            assemble.append(lambda got, bs=blocks, sp=spec: stack([got[b] for b in bs], sp.placements))
+            continue
+        stacked = _as_stack(saved, path)
+        if stacked is not None:  # like block by block, the checkpoint stacked
+            where, i = stacked
+            depth = tuple(saved[where].shape)[0]
+            whole = Spec.create(spec.mesh, shift_dims(spec.placements, 1), (depth, *spec.shape), spec.dtype)
+            targets.setdefault(where, whole)
+            assemble.append(lambda got, w=where, i=i, sp=spec: _sliced(slices, got, w, sp)[i])
+            continue
+        targets[path] = leaf
+        assemble.append(lambda got, p=path: got[p])
+    return targets, assemble
+
+
+def _as_blocks(saved: dict, path: tuple[str, ...], spec: Spec) -> list[tuple[str, ...]] | None:
+    """The checkpoint's paths of the blocks a stacked leaf of like at ``path`` (``...layers...``) holds, or None."""
+    if "layers" not in path or not spec.shape:
+        return None
+    k = path.index("layers")
+    blocks = [path[:k] + (str(i),) + path[k + 1:] for i in range(spec.shape[0])]
+    more = path[:k] + (str(spec.shape[0]),) + path[k + 1:]
+    return blocks if all(b in saved for b in blocks) and more not in saved else None
+
+
+def _as_stack(saved: dict, path: tuple[str, ...]) -> tuple[tuple[str, ...], int] | None:
+    """The checkpoint's stacked path holding block ``i`` of like's leaf at ``path`` (``...i...``), and ``i``."""
+    for k, name in enumerate(path):
+        if name.isdigit():
+            where = path[:k] + ("layers",) + path[k + 1:]
+            shape = tuple(getattr(saved.get(where), "shape", ()) or ())
+            if shape and int(name) < shape[0]:
+                return where, int(name)
+    return None
+
+
+def _sliced(cache: dict, got: dict, where: tuple[str, ...], spec: Spec) -> list:
+    if where not in cache:
+        cache[where] = unstack(got[where], spec.placements)
+    return cache[where]
 
 
 def _check_template(directory, saved: Any, paths: list[tuple[str, ...]], leaves: list[Any]) -> None:

@@ -23,8 +23,18 @@ mesh puts it on all 8 devices; ``--mesh dp=2,cp=4 --style dp+cp`` shares them wi
 causal attention gives every device the same work (in contiguous blocks with ``--processes``, where each process
 loads one range of every row), and every attention crosses it by ``--method``.
 
-    python -m jshard.demo [--mesh dp=2,tp=4] [--style tp|sp|fsdp|dp|cp|dp+cp|cp+tp|...] [--method auto|ring|...]
-                          [--steps 20] [--layers 2] [--processes 2] [--checkpoint DIR] [--save-every 5]
+With pipeline parallelism (``--style pp``, ``pp+dp+tp``, ``pp+fsdp``, ...) the blocks are split into stages over the
+mesh axis named ``pp`` (the default mesh gives it 2 devices, or 8 alone) and each step runs ``--microbatches``
+microbatches through them by ``--schedule`` (``gpipe``, ``1f1b``, or ``interleaved`` with ``--virtual-stages``
+chunks a device). The GPT then has ``pp x virtual stages`` layers unless ``--layers`` says otherwise (a multiple of
+it); the microbatches cut the batch of 8 rows. With ``--processes`` the first mesh axis crosses the processes: with
+``pp`` first (``--mesh pp=2,dp=4``) each process holds its own stages. A pipelined run's checkpoint resumes under any
+other pipeline (mesh, schedule, styles beside it) with the same ``--layers``.
+
+    python -m jshard.demo [--mesh dp=2,tp=4] [--style tp|sp|fsdp|dp|cp|dp+cp|cp+tp|pp+dp+tp|...]
+                          [--method auto|ring|...] [--microbatches 4] [--schedule gpipe|1f1b|interleaved]
+                          [--virtual-stages 1] [--steps 20] [--layers 2] [--processes 2] [--checkpoint DIR]
+                          [--save-every 5]
 """
 
 from __future__ import annotations
@@ -36,6 +46,12 @@ import os
 import sys
 import tempfile
 import time
+
+from jshard.parallel.schedule import SCHEDULES
+
+# rows a step trains on, whatever the mesh and style: a run resumed from a checkpoint under another one goes on with
+# the same batches (and the one-device run catches up on them)
+BATCH = 8
 
 
 def _ensure_devices(n: int = 8) -> None:
@@ -60,13 +76,24 @@ def corpus(vocab: int, length: int, seed: int = 0):
 
 
 def default_mesh(style: str) -> str:
-    """The demo's mesh of 8 devices for ``style``: DP2 x TP4 without context parallelism; with it, the sequence on
-    the devices the data (2) and tensor (4, or 2 beside data) axes leave.
+    """The demo's mesh of 8 devices for ``style``: DP2 x TP4 without context or pipeline parallelism; with context
+    parallelism, the sequence on the devices the data (2) and tensor (4, or 2 beside data) axes leave; with pipeline
+    parallelism, 2 stages (8 alone) and 2 devices for each other axis, the last one taking what is left.
 
     >>> default_mesh("tp"), default_mesh("cp"), default_mesh("dp+cp"), default_mesh("fsdp+cp+tp")
     ('dp=2,tp=4', 'cp=8', 'dp=2,cp=4', 'dp=2,cp=2,tp=2')
+    >>> default_mesh("pp+dp+tp"), default_mesh("pp+tp"), default_mesh("pp+fsdp"), default_mesh("pp")
+    ('pp=2,dp=2,tp=2', 'pp=2,tp=4', 'pp=2,dp=4', 'pp=8')
     """
     parts = set(style.split("+"))
+    if "pp" in parts:
+        others = [name for name, kinds in (("dp", {"dp", "fsdp"}), ("cp", {"cp"}), ("tp", {"tp", "sp"}))
+                  if parts & kinds]
+        if not others:
+            return "pp=8"
+        axes = {"pp": 2, **{name: 2 for name in others}}
+        axes[others[-1]] = 8 // (2 ** len(others))
+        return ",".join(f"{name}={size}" for name, size in axes.items())
     if "cp" not in parts:
         return "dp=2,tp=4"
     dp = 2 if parts & {"dp", "fsdp"} else 1
@@ -76,22 +103,30 @@ def default_mesh(style: str) -> str:
 
 
 def roles(style: str, names: tuple[str, ...]) -> dict[str, str | None]:
-    """Which mesh axis is the data (``dp``), tensor (``tp``) and context (``cp``) axis of ``style``: ``cp`` by name,
-    the tensor axis the last of the others (where the style has one), the data axis the first of those left.
+    """Which mesh axis is the data (``dp``), tensor (``tp``), context (``cp``) and pipeline (``pp``) axis of
+    ``style``: ``cp`` and ``pp`` by name, the tensor axis the last of the others (where the style has one), the data
+    axis the first of those left.
 
     >>> roles("tp", ("dp", "tp")), roles("cp+tp", ("cp", "tp"))
-    ({'dp': 'dp', 'tp': 'tp', 'cp': None}, {'dp': None, 'tp': 'tp', 'cp': 'cp'})
+    ({'dp': 'dp', 'tp': 'tp', 'cp': None, 'pp': None}, {'dp': None, 'tp': 'tp', 'cp': 'cp', 'pp': None})
+    >>> roles("pp+dp+tp", ("pp", "dp", "tp"))
+    {'dp': 'dp', 'tp': 'tp', 'cp': None, 'pp': 'pp'}
     """
     parts = set(style.split("+"))
-    cp = "cp" if "cp" in parts else None
-    if cp is not None and cp not in names:
-        raise SystemExit(f"--style {style!r} shards the sequence over the mesh axis named 'cp', and --mesh has "
-                         f"{', '.join(names)}; add one, like --mesh dp=2,cp=4")
-    others = [n for n in names if n != cp]
+    named = {}
+    for role, example in (("cp", "dp=2,cp=4"), ("pp", "pp=2,dp=2,tp=2")):
+        named[role] = role if role in parts else None
+        if named[role] is not None and role not in names:
+            what = "the sequence" if role == "cp" else "the blocks into stages"
+            raise SystemExit(f"--style {style!r} splits {what} over the mesh axis named {role!r}, and --mesh has "
+                             f"{', '.join(names)}; add one, like --mesh {example}")
+    others = [n for n in names if n not in named.values()]
     tp = others.pop() if parts & {"tp", "sp"} and others else None
     if parts & {"tp", "sp"} and tp is None:
-        raise SystemExit(f"--style {style!r} needs a tensor axis beside 'cp'; add one, like --mesh cp=2,tp=4")
-    return {"dp": others[0] if others else None, "tp": tp, "cp": cp}
+        beside = " and ".join(repr(n) for n in named.values() if n)
+        raise SystemExit(f"--style {style!r} needs a tensor axis beside {beside}; add one, like --mesh "
+                         f"{'cp=2,tp=4' if named['cp'] else 'pp=2,tp=4'}")
+    return {"dp": others[0] if others else None, "tp": tp, **named}
 
 
 def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -112,8 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--method", default="auto",
                     help="how attention crosses the context axis: ring, all_gather, all_to_all or auto (the cost model "
                          "chooses)")
+    ap.add_argument("--microbatches", type=int, default=None,
+                    help="with pp: the microbatches a step runs through the stages (default 4)")
+    ap.add_argument("--schedule", default=None, choices=SCHEDULES,
+                    help="with pp: the order of the microbatches' forward and backward units (default 1f1b)")
+    ap.add_argument("--virtual-stages", type=int, default=None,
+                    help="with pp and --schedule interleaved: the chunks of blocks each device holds (default 1)")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=None,
+                    help="the GPT's blocks (default 2; with pp, the stages times the virtual stages)")
     ap.add_argument("--processes", type=int, default=1, help="run as this many JAX processes (localhost)")
     ap.add_argument("--checkpoint", default=None, metavar="DIR",
                     help="save the training state here every --save-every steps; resume from it when it holds one")
@@ -123,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     names, sizes = parse_mesh(args.mesh or default_mesh(args.style))
     axes = roles(args.style, names)
+    layers, pipeline = _pipeline(args, dict(zip(names, sizes, strict=True)), axes["pp"])
     if args.processes > 1 and args.process_id is None:
         return _launch(args, argv if argv is not None else sys.argv[1:], math.prod(sizes))
     if args.process_id is not None:
@@ -154,34 +197,43 @@ def main(argv: list[str] | None = None) -> int:
     # process by process: the first mesh axis (data) crosses processes, the others stay inside one
     devices = sorted(devices, key=lambda d: (d.process_index, d.id))[:n]
     mesh = jax.make_mesh(sizes, names, devices=devices)
-    vocab, dim, heads, seq, batch = 64, 64, 4, 32, 8
+    vocab, dim, heads, seq, batch = 64, 64, 4, 32, BATCH
     if jax.process_index() != 0:  # every process runs the same program; one of them reports
         sys.stdout = open(os.devnull, "w")
     where = f"{jax.process_count()} processes, " if jax.process_count() > 1 else ""
     try:
-        styles, default = plan(args.style, method=args.method, **{k: v for k, v in axes.items() if v is not None})
+        styles, default = plan(args.style, method=args.method, **pipeline,
+                               **{k: v for k, v in axes.items() if v is not None})
     except ValueError as e:
         raise SystemExit(f"--style {args.style!r} --method {args.method!r}: {e}") from None
     if axes["cp"] and jax.process_count() > 1:
         # each process loads one contiguous range of every row (process_rows); striped tokens are not one
         styles[""] = dataclasses.replace(styles[""], balance=False)
-    print(f"jshard demo: a {args.layers}-layer GPT (vocab {vocab}, width {dim}, {heads} heads, sequence {seq}) "
-          f"on {jshard.spec.format_mesh(mesh)} of {where}{devices[0].platform} devices, style {args.style!r}"
-          + (f", attention across {axes['cp']!r} by {args.method!r}" if axes["cp"] else "") + "\n")
+    how = f", attention across {axes['cp']!r} by {args.method!r}" if axes["cp"] else ""
+    if axes["pp"]:
+        how += (f", {pipeline['microbatches']} microbatches through {mesh.shape[axes['pp']]} stages by "
+                f"{pipeline['schedule']!r}")
+        how += f" ({pipeline['virtual_stages']} chunks a device)" if pipeline["virtual_stages"] > 1 else ""
+    print(f"jshard demo: a {layers}-layer GPT (vocab {vocab}, width {dim}, {heads} heads, sequence {seq}) "
+          f"on {jshard.spec.format_mesh(mesh)} of {where}{devices[0].platform} devices, style {args.style!r}{how}\n")
 
     def make():
-        return GPT(vocab, dim, heads, args.layers, seq, rngs=nnx.Rngs(0))
+        return GPT(vocab, dim, heads, layers, seq, rngs=nnx.Rngs(0))
 
     def loss_fn(model, ids, labels):
         return cross_entropy(model(ids), labels)
 
     model = parallelize(make, mesh, styles, default=default)  # built sharded: each device draws its blocks
-    print("placements of block 0 (one entry per mesh axis):")
-    for path, var in nnx.iter_graph(model.blocks[0]):
+    if axes["pp"]:  # the blocks stacked along a new dim 0, split into stages over pp
+        blocks, which = model.blocks.layers, f"the {layers} blocks, stacked"
+    else:
+        blocks, which = model.blocks[0], "block 0"
+    print(f"placements of {which} (one entry per mesh axis):")
+    for path, var in nnx.iter_graph(blocks):
         if isinstance(var, nnx.Param):
             d = var.get_value()
             where, shape = "/".join(map(str, path)), str(d.shape)
-            print(f"  {where:<14} {shape:<10} {jshard.placements.format_placements(d.placements)}")
+            print(f"  {where:<14} {shape:<13} {jshard.placements.format_placements(d.placements)}")
     print()
 
     tokens = corpus(vocab, args.steps * batch * (seq + 1) + 1)
@@ -208,7 +260,13 @@ def main(argv: list[str] | None = None) -> int:
     manager, start = _checkpoints(args, train), 0
     if manager is not None and manager.latest_step() is not None:
         start = manager.latest_step()
-        train.state = manager.restore(start, args=jshard.checkpoint.Restore(train.state))  # into this run's plan
+        try:
+            train.state = manager.restore(start, args=jshard.checkpoint.Restore(train.state))  # into this run's plan
+        except ValueError as e:
+            manager.close()
+            raise SystemExit(f"--checkpoint {args.checkpoint}: step {start} does not restore into a {layers}-layer "
+                             f"GPT under --style {args.style!r}: {e}\nResume with the --layers it was saved with, or "
+                             "start in another directory") from None
         for step in range(start):  # the one-device run catches up, to be compared from here on
             reference(jnp.asarray(windows[step, :, :-1]), jnp.asarray(windows[step, :, 1:]))
         print(f"resumed from {args.checkpoint} after step {start}")
@@ -232,11 +290,48 @@ def main(argv: list[str] | None = None) -> int:
     if not ours:
         print(f"nothing to train: the checkpoint is at step {start} of --steps {args.steps}")
         return 0
-    ratio = curve_ratio(ours, theirs, n_per_step=summed_terms(vocab, dim, args.layers, seq, batch))
+    ratio = curve_ratio(ours, theirs, n_per_step=summed_terms(vocab, dim, layers, seq, batch))
     worst = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs, strict=True))
     print(f"loss {ours[0]:.4f} -> {ours[-1]:.4f} (log vocab = {np.log(vocab):.4f}); largest relative difference "
           f"from one device: {worst:.1e}, {ratio:.2f} of the rounding bound -> {'OK' if ratio <= 1 else 'MISMATCH'}")
     return 0 if ratio <= 1 else 1
+
+
+def _pipeline(args, sizes: dict[str, int], pp: str | None) -> tuple[int, dict]:
+    """The GPT's layer count and the plan's pipeline arguments (none without a pipeline axis), checked against the
+    mesh: ``--layers``, else 2, or with a pipeline the least multiple of its stages x virtual stages from 2."""
+    given = {flag: value for flag, value in (("--microbatches", args.microbatches), ("--schedule", args.schedule),
+                                             ("--virtual-stages", args.virtual_stages)) if value is not None}
+    if pp is None:
+        if given:
+            raise SystemExit(f"{', '.join(given)}: settings of a pipeline, and --style {args.style!r} has none; "
+                             f"add 'pp' to the style (--style pp+{args.style} with a 'pp' axis in --mesh) or leave "
+                             "them out")
+        return 2 if args.layers is None else args.layers, {}
+    m = 4 if args.microbatches is None else args.microbatches
+    v = 1 if args.virtual_stages is None else args.virtual_stages
+    schedule = args.schedule or ("interleaved" if v > 1 else "1f1b")
+    for flag, value in (("--microbatches", m), ("--virtual-stages", v), ("--layers", args.layers or 1)):
+        if value < 1:
+            raise SystemExit(f"{flag} {value}: give at least 1")
+    if v > 1 and schedule != "interleaved":
+        raise SystemExit(f"--virtual-stages {v} gives each device {v} chunks of blocks, which only the interleaved "
+                         f"schedule runs; use --schedule interleaved, or --virtual-stages 1 with --schedule {schedule}")
+    stages = sizes[pp]
+    chunks = stages * v
+    if args.layers is not None and args.layers % chunks:
+        raise SystemExit(f"--layers {args.layers}: the pipeline cuts the blocks into {stages} stages (--mesh "
+                         f"{pp}={stages}) x {v} virtual stages, so the GPT needs a multiple of {chunks} layers; use "
+                         f"--layers {chunks * -(-args.layers // chunks)}")
+    if BATCH % m:
+        raise SystemExit(f"--microbatches {m}: the demo's batch of {BATCH} rows cuts into "
+                         f"{', '.join(str(k) for k in range(1, BATCH + 1) if BATCH % k == 0)} microbatches; use one "
+                         "of those")
+    if schedule == "interleaved" and m % stages:
+        raise SystemExit(f"--schedule interleaved runs microbatches in groups of the {stages} stages, and "
+                         f"--microbatches is {m}; use --microbatches {stages * -(-m // stages)}")
+    layers = chunks * -(-2 // chunks) if args.layers is None else args.layers
+    return layers, {"microbatches": m, "schedule": schedule, "virtual_stages": v}
 
 
 def _checkpoints(args, train):

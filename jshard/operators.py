@@ -34,7 +34,7 @@ from .caches import Cache
 from .darray import DArray
 from .jaxcompat import source_info_util
 
-__all__ = ["apply"]
+__all__ = ["apply", "stack", "unstack"]
 
 # equations are attributed to the user's line: jshard's own wrappers are not it
 source_info_util.register_exclusion(os.path.abspath(__file__))
@@ -73,6 +73,42 @@ def apply(f: Callable, *args, **static) -> Any:
         program = jit(call)
         _APPLIED.put(key, program)
     return program(*args, *[leaves[i] for i in dynamic])
+
+
+def stack(arrays: list[DArray], placements: tuple) -> DArray:
+    """``arrays`` (DArrays of one shape) stacked along a new dim 0, laid out by ``placements``: each device computes
+    only its own block of the stack.
+
+    >>> import jax, numpy as np, jshard
+    >>> from jshard import Replicate, Shard
+    >>> mesh = jax.make_mesh((8,), ("x",))
+    >>> parts = [jshard.distribute(np.full(3, i, np.float32), mesh, [Replicate()]) for i in range(8)]
+    >>> s = stack(parts, (Shard(0),)); s.shape, s.spec.local_block_shape
+    ((8, 3), (1, 3))
+    """
+    return _stacker(tuple(placements))(*arrays)
+
+
+def unstack(x: DArray, placements: tuple) -> list[DArray]:
+    """``x``'s slices along dim 0, each laid out by ``placements`` (``stack`` undone).
+
+    >>> import jax, numpy as np, jshard
+    >>> from jshard import Replicate
+    >>> x = jshard.distribute(np.arange(6.0).reshape(3, 2), jax.make_mesh((8,), ("x",)), [Replicate()])
+    >>> [p.full().tolist() for p in unstack(x, (Replicate(),))]
+    [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+    """
+    return _unstacker(tuple(placements), x.shape[0])(x)
+
+
+@functools.lru_cache(maxsize=64)
+def _stacker(placements: tuple) -> Callable:
+    return jit(lambda *xs: jnp.concatenate([x[None] for x in xs]), out_placements=placements)
+
+
+@functools.lru_cache(maxsize=64)
+def _unstacker(placements: tuple, n: int) -> Callable:
+    return jit(lambda x: [x[i] for i in range(n)], out_placements=[placements] * n)
 
 
 def _getitem(x, *, idx):

@@ -38,6 +38,7 @@ __all__ = [
     "format_placements",
     "partial_ops_mix",
     "as_index",
+    "shift_dims",
 ]
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -169,6 +170,17 @@ def partial_ops_mix(ops: set[str]) -> bool:
     """Whether Partial reductions with these ops may coexist in one placements tuple: only sum and avg
     commute, so any other pair has no single meaning."""
     return len(ops) <= 1 or ops <= {"sum", "avg"}
+
+
+def shift_dims(placements: Sequence[Placement], delta: int) -> list[Placement]:
+    """``placements`` with every shard's dim moved by ``delta``: the layout of a stack of such arrays (``+1``: a
+    new leading dim) or of one of them (``-1``: the leading dim taken away).
+
+    >>> shift_dims([Shard(0), StridedShard(1, 2), Replicate()], 1)
+    [S(1), SS(2,2), R]
+    """
+    return [type(p)(p.dim + delta, *([p.split_factor] if p.split_factor != 1 else [])) if p.is_shard else p
+            for p in placements]
 
 
 def format_placements(placements: Sequence[Placement]) -> str:

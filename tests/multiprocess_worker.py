@@ -484,14 +484,25 @@ def check_attention(name: str) -> None:
 
 # ---------------------------------------------------------------------------------------------------
 # jshard.parallel: the demo's GPT, 3 AdamW steps against one device: tensor-parallel on a (2, 4) mesh with dp
-# crossing processes, and context-parallel over all 8 devices (the ring crossing them)
+# crossing processes, context-parallel over all 8 devices (the ring crossing them), and pipelined over pp x dp x
+# tp with one stage on each process (the activations and their gradients passing between the processes)
 
 GPT_RUN: dict = {}
 # one problem for every parallelism (so one one-device reference): 16 tokens, 2 a device over 8
 VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH, STEPS = 32, 16, 2, 1, 16, 4, 3
+# the pipelined checks' model has a block per stage (so its own one-device reference); 2 microbatches of 2 rows
+PIPELINE_LAYERS, MICROBATCHES = 2, 2
+_stages = _grid.reshape(2, 2, 2)  # axis 0 = process
+PP_MESHES = {
+    # pp crosses the processes (stage 0 on process 0, stage 1 on process 1); dp and tp stay inside each
+    "pp_across": Mesh(_stages, ("pp", "dp", "tp")),
+    # pp stays inside each process, dp crosses them (the checkpoint resumes here, the stages laid out otherwise)
+    "pp_within": Mesh(_stages.transpose(1, 0, 2), ("pp", "dp", "tp")),
+}
+PP_BATCH = (Replicate(), Shard(0), Replicate())  # the rows over dp, every stage sees them
 
 
-def gpt_problem() -> tuple:
+def gpt_problem(layers: int = LAYERS) -> tuple:
     """The GPT checks' model maker, loss, optimizer and corpus windows ``[steps, batch, seq + 1]``."""
     import optax
     from flax import nnx
@@ -500,7 +511,7 @@ def gpt_problem() -> tuple:
     from jshard.gpt import GPT, cross_entropy
 
     def make():
-        return GPT(VOCAB, DIM, HEADS, LAYERS, SEQ, rngs=nnx.Rngs(0))
+        return GPT(VOCAB, DIM, HEADS, layers, SEQ, rngs=nnx.Rngs(0))
 
     def loss_fn(model, ids, labels):
         return cross_entropy(model(ids), labels)
@@ -523,22 +534,24 @@ def train_gpt(train, mesh: Mesh, layout, windows, tag: str, after_first=lambda: 
     return losses
 
 
-def match_one_device(tag: str, ours: list[float]) -> None:
-    """``ours`` are the losses of the same training on one device (trained once, by the first check that asks),
-    within the rounding bound; both are recorded (the processes must agree on them bitwise)."""
+def match_one_device(tag: str, ours: list[float], layers: int = LAYERS) -> None:
+    """``ours`` are the losses of the same training (of ``gpt_problem(layers)``) on one device (trained once, by
+    the first check that asks), within the rounding bound; both are recorded (the processes must agree on them
+    bitwise)."""
     from jshard.gpt import one_device_trainer, summed_terms
     from jshard.validate.tolerance import curve_ratio
 
-    if "one_device" not in GPT_RUN:
-        make, loss_fn, tx, windows = gpt_problem()
+    name = "gpt_one_device" if layers == LAYERS else f"gpt_one_device_{layers}_layers"
+    if name not in GPT_RUN:
+        make, loss_fn, tx, windows = gpt_problem(layers)
         t0 = time.perf_counter()
         reference = one_device_trainer(make(), tx, loss_fn)
-        GPT_RUN["one_device"] = [reference(jnp.asarray(w[:, :-1]), jnp.asarray(w[:, 1:])) for w in windows]
-        RESULTS["seconds"]["gpt: one-device reference"] = round(time.perf_counter() - t0, 3)
-        RESULTS["losses"]["gpt_one_device"] = [v.hex() for v in GPT_RUN["one_device"]]
-    theirs = GPT_RUN["one_device"]
+        GPT_RUN[name] = [reference(jnp.asarray(w[:, :-1]), jnp.asarray(w[:, 1:])) for w in windows]
+        RESULTS["seconds"][f"gpt: one-device reference, {layers} layers"] = round(time.perf_counter() - t0, 3)
+        RESULTS["losses"][name] = [v.hex() for v in GPT_RUN[name]]
+    theirs = GPT_RUN[name]
     RESULTS["losses"][tag] = [v.hex() for v in ours]
-    ratio = curve_ratio(ours, theirs, n_per_step=summed_terms(VOCAB, DIM, LAYERS, SEQ, BATCH))
+    ratio = curve_ratio(ours, theirs, n_per_step=summed_terms(VOCAB, DIM, layers, SEQ, BATCH))
     assert ratio <= 1, f"{tag}: losses {ours} vs one device {theirs}: {ratio:.2f} of the rounding bound"
 
 
@@ -587,6 +600,37 @@ def check_gpt_context_parallel() -> None:
     train = TrainStep(parallelize(make, mesh, styles, default=default), tx, loss_fn)
     losses = train_gpt(train, mesh, [balanced(SEQ, mesh.shape["cp"])], windows, "gpt_cp8_ring")
     match_one_device("gpt_cp8_ring", losses)
+
+
+def check_gpt_pipeline() -> None:
+    """Pipelined (``plan("pp+dp+tp")``, 1F1B, 2 microbatches) with pp crossing the processes: each process holds
+    its own stage's blocks and no other's (the stacked parameters' blocks here are the eager model's blocks of
+    this process's stage), and the schedule's ppermutes carry the activations and input gradients between the
+    processes every tick; the losses of 3 steps against one device. The state after the first step is saved
+    for ``check_gpt_pipeline_resume``."""
+    from jshard.gpt import plan
+    from jshard.parallel import TrainStep, parallelize
+
+    mesh = PP_MESHES["pp_across"]
+    make, loss_fn, tx, windows = gpt_problem(PIPELINE_LAYERS)
+    styles, default = plan("pp+dp+tp", microbatches=MICROBATCHES)
+    model = parallelize(make, mesh, styles, default=default)
+    kernel = model.blocks.layers.q.kernel.get_value()
+    eager = make()
+    stacked = np.stack([np.asarray(eager.blocks[i].q.kernel.get_value()) for i in range(PIPELINE_LAYERS)])
+    assert kernel.spec.local_block_shape[0] == PIPELINE_LAYERS // mesh.shape["pp"], kernel.spec
+    compare_locals(host(kernel.to_local()), expected_locals(stacked, mesh, kernel.placements),
+                   "the stacked q kernels this process holds")
+    assert all(c[0] == jax.process_index() for c, m in zip(coords_of(mesh), mine(mesh), strict=True) if m), \
+        "pp does not cross the processes: a process holds devices of two stages"
+    train = TrainStep(model, tx, loss_fn)
+
+    def save_first():
+        jshard.checkpoint.save(os.path.join(CKPT, "gpt_pipeline_step1"), train.state)
+
+    losses = train_gpt(train, mesh, PP_BATCH, windows, "gpt_pp_across", save_first)
+    GPT_RUN["pipeline_losses"] = losses
+    match_one_device("gpt_pp_across", losses, PIPELINE_LAYERS)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -671,6 +715,23 @@ def check_gpt_resume() -> None:
     np.testing.assert_allclose(again, GPT_RUN["losses"][1:], rtol=1e-6)
 
 
+def check_gpt_pipeline_resume() -> None:
+    """The pipelined run saved after its first step (each process wrote its own stage's blocks) resumed with the
+    stages inside each process and dp across them (each process reads both stages' blocks): the uninterrupted
+    run's losses (rtol 1e-6: the reductions cross other devices), and so one device's."""
+    from jshard.gpt import plan
+    from jshard.parallel import TrainStep, parallelize
+
+    mesh = PP_MESHES["pp_within"]
+    make, loss_fn, tx, windows = gpt_problem(PIPELINE_LAYERS)
+    styles, default = plan("pp+dp+tp", microbatches=MICROBATCHES)
+    train = TrainStep(parallelize(make, mesh, styles, default=default), tx, loss_fn)
+    train.state = jshard.checkpoint.restore(os.path.join(CKPT, "gpt_pipeline_step1"), like=train.state)
+    again = train_gpt(train, mesh, PP_BATCH, windows[1:], "gpt_pp_within_resumed")
+    RESULTS["losses"]["gpt_pp_within_resumed"] = [v.hex() for v in again]
+    np.testing.assert_allclose(again, GPT_RUN["pipeline_losses"][1:], rtol=1e-6)
+
+
 def main() -> None:
     t0 = time.perf_counter()
     for key, mesh in MESHES.items():
@@ -707,6 +768,7 @@ def main() -> None:
         check(f"attention/{name}", check_attention, name)
     check("gpt/tp_2x4", check_gpt)
     check("gpt/cp8_ring", check_gpt_context_parallel)
+    check("gpt/pp2xdp2xtp2_pp_across", check_gpt_pipeline)
     for key in MESHES:
         check(f"checkpoint/save_{key}", check_checkpoint_save, key)
     for saved_key, target_key in [("2x4", "4x2"), ("4x2", "8"), ("8", "2x4"), ("2x4", "2x4")]:
@@ -715,6 +777,7 @@ def main() -> None:
         check(f"checkpoint/{saved_key}->orbax", check_checkpoint_read_by_orbax, saved_key)
     check("checkpoint/local_devices", check_checkpoint_on_local_devices)
     check("checkpoint/gpt_resume", check_gpt_resume)
+    check("checkpoint/gpt_pipeline_resume", check_gpt_pipeline_resume)
     RESULTS["seconds"]["total"] = round(time.perf_counter() - t0, 3)
     RESULTS["done"] = True
     save()

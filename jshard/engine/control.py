@@ -16,7 +16,7 @@ from collections.abc import Callable
 import jax
 
 from ..jaxcompat import cond_branches, jc, scan_params, while_params
-from ..placements import Replicate
+from ..placements import Replicate, shift_dims
 from ..propagate import Choice
 from ..spec import Spec
 from .kernel import local_function
@@ -124,6 +124,4 @@ def _unshard_dim0(spec: Spec) -> Spec:
 
 def _shift(spec: Spec, shape, delta: int) -> Spec:
     """The spec of one slice (``delta=-1``) or of a stack (``+1``) of arrays laid out like ``spec``."""
-    moved = [type(p)(p.dim + delta, *([p.split_factor] if p.split_factor != 1 else [])) if p.is_shard else p
-             for p in spec.placements]
-    return Spec.create(spec.mesh, moved, shape, spec.dtype)
+    return Spec.create(spec.mesh, shift_dims(spec.placements, delta), shape, spec.dtype)

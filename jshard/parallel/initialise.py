@@ -45,7 +45,6 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -53,8 +52,9 @@ from jax.sharding import Mesh
 from ..api import jit
 from ..darray import DArray
 from ..jaxcompat import jc, open_jaxpr, source_info_util
+from ..operators import stack
 
-__all__ = ["Constructor", "initialise", "stack", "trace_constructor"]
+__all__ = ["Constructor", "initialise", "trace_constructor"]
 
 # elements: a value this small is made by the eager key chain, and recomputed by every program that reads it
 SMALL = 1 << 12
@@ -146,18 +146,6 @@ def initialise(build: Callable[[], nnx.Module] | Constructor, mesh: Mesh, placem
     order, _ = graph.closure(others)
     state = jax.jit(graph.replay(order, [], others))() if others else []
     return values, jax.tree.unflatten(jax.tree.structure(other), state)
-
-
-def stack(values: list[DArray], placements: tuple) -> DArray:
-    """``values`` (DArrays of one shape) stacked along a new dim 0, with ``placements``.
-
-    >>> import jax, numpy as np, jshard
-    >>> mesh = jax.make_mesh((8,), ("x",))
-    >>> parts = [jshard.distribute(np.full(3, i, np.float32), mesh, [jshard.Replicate()]) for i in range(8)]
-    >>> stack(parts, (jshard.Shard(0),)).spec.local_block_shape
-    (1, 3)
-    """
-    return jit(lambda *xs: jnp.concatenate([x[None] for x in xs]), out_placements=placements)(*values)
 
 
 def _split(module: nnx.Module) -> tuple[list, nnx.State]:

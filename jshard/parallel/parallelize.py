@@ -50,9 +50,10 @@ from ..arguments import is_darray
 from ..caches import memo
 from ..darray import DArray, distribute
 from ..jaxcompat import source_info_util
+from ..operators import stack
 from ..placements import Placement, Replicate
 from ..spec import Spec, format_mesh, shard_order
-from .initialise import Constructor, initialise, stack, trace_constructor
+from .initialise import Constructor, initialise, trace_constructor
 from .stages import Pipelined, stacked_placements
 from .styles import ParallelStyle, PipelineParallel, UnplacedParameter, _is_array, style_classes
 

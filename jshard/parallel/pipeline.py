@@ -52,14 +52,14 @@ from ..engine.kernel import local_function
 from ..engine.program import tracing_mesh
 from ..engine.walk import control, move_cost, plan_jaxpr
 from ..jaxcompat import jc, mlir, source_info_util
-from ..placements import Partial, Placement, Replicate, Shard, StridedShard
+from ..placements import Partial, Placement, Replicate, Shard, StridedShard, shift_dims
 from ..planner import model_in_force
 from ..propagate import Choice
 from ..rules.registry import Rule
 from ..spec import Spec, format_mesh
 from .schedule import SCHEDULES, make_schedule
 
-__all__ = ["pipeline_value_and_grad", "pipeline_p"]
+__all__ = ["pipeline_p", "pipeline_value_and_grad", "split_placement"]
 
 # equations are attributed to the user's line: jshard's own wrappers are not it
 source_info_util.register_exclusion(os.path.abspath(__file__))
@@ -139,6 +139,12 @@ def pipeline_value_and_grad(layer: Callable, tail: Callable, stacked: Any, other
     return loss, (jax.tree.unflatten(tree, d_stacked), jax.tree.unflatten(o_tree, d_other), dx0)
 
 
+def split_placement(virtual_stages: int) -> Placement:
+    """How the stacked blocks lie along the pipeline axis: contiguous stages, or ``virtual_stages`` chunks per device
+    dealt round-robin (device ``d`` holds virtual stages ``d, p + d, 2p + d, ...``)."""
+    return Shard(0) if virtual_stages == 1 else StridedShard(0, virtual_stages)
+
+
 # -- the primitive ------------------------------------------------------------------------------------------------
 
 def _abstract(*args, fwd, bwd, tail, axis, kind, virtual, counts):
@@ -196,7 +202,7 @@ def plan_pipeline(eqn: jc.JaxprEqn, specs: list[Spec], mesh: Mesh) -> tuple[Choi
     stacked, other, x0, side = specs[:n], specs[n:n + k], specs[n + k], specs[n + k + 1:]
     depth, m = stacked[0].shape[0], x0.shape[0]
     sched = make_schedule(prm["kind"], p, m, v)
-    split = Shard(0) if v == 1 else StridedShard(0, v)
+    split = split_placement(v)
     sub = Mesh(np.take(mesh.devices, 0, axis=ax), tuple(a for a in mesh.axis_names if a != axis))
 
     # what the program takes: the layers split along the axis (dim 0 whole on the others), everything else
@@ -249,7 +255,7 @@ def _inner(spec: Spec, sub: Mesh, ax: int, drop_dim0: bool) -> Spec:
     """The spec of one slice (``drop_dim0``) or of the whole of ``spec``'s value, on the mesh without axis ``ax``."""
     ps = [q for i, q in enumerate(spec.placements) if i != ax]
     if drop_dim0:
-        ps = [type(q)(q.dim - 1, *([q.split_factor] if q.split_factor != 1 else [])) if q.is_shard else q for q in ps]
+        ps = shift_dims(ps, -1)
     return Spec.create(sub, ps, spec.shape[1:] if drop_dim0 else spec.shape, spec.dtype, where="pipeline")
 
 
@@ -259,18 +265,27 @@ def _outer(spec: Spec, mesh: Mesh, ax: int, placement: Placement, stack: int | N
     ps = list(spec.placements)
     shape = spec.shape
     if stack is not None:
-        ps = [type(q)(q.dim + 1, *([q.split_factor] if q.split_factor != 1 else [])) if q.is_shard else q for q in ps]
+        ps = shift_dims(ps, 1)
         shape = (stack, *shape)
     ps.insert(ax, placement)
     return Spec.create(mesh, ps, shape, spec.dtype, where="pipeline")
 
 
 def _sends(sched, axis: str, x: Spec) -> list[Communication]:
-    """What the kernel sends: per tick one activation block forward and one gradient block back (zeros where the
-    schedule has nothing to send: every device takes part in every ``ppermute``)."""
+    """What the kernel sends: one activation block forward on each tick where some device sends one, one gradient
+    block back likewise (zeros from the devices with nothing to send: every device takes part in a ``ppermute``)."""
     if sched.stages == 1:
         return []
-    return [Communication("permute", (axis,), x.local_bytes, count=2 * sched.ticks)]
+    tables = _tables(sched)
+    count = int(tables["any_f"][:, 0].sum() + tables["any_b"][:, 0].sum())
+    return [Communication("permute", (axis,), x.local_bytes, count=count)] if count else []
+
+
+def _pairs(p: int, v: int) -> tuple[list, list]:
+    """The ``ppermute`` pairs forward (device ``d`` to ``d + 1``) and back; the last device sends to the first (and
+    back) only when it holds more than one chunk (interleaved: virtual stage ``p - 1`` feeds ``p`` on device 0)."""
+    ahead = [(i, i + 1) for i in range(p - 1)] + ([(p - 1, 0)] if v > 1 and p > 1 else [])
+    return ahead, [(j, i) for i, j in ahead]
 
 
 def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Callable, counts,
@@ -281,12 +296,15 @@ def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Ca
     p, v, slots = sched.stages, sched.virtual_stages, sched.slots
     per = depth // (p * v)
     tables = _tables(sched)
+    ahead, back = _pairs(p, v)
 
     def layers_forward(chunk, x):
         return jax.lax.scan(lambda x, lp: (fwd(*lp, x)[0], None), x, chunk)[0]
 
     def layers_backward(chunk, x, dy):
-        _, xs = jax.lax.scan(lambda x, lp: (fwd(*lp, x)[0], x), x, chunk)
+        # each layer's input, from the stage input (the last layer's output is not needed: n - 1 forwards)
+        _, ys = jax.lax.scan(lambda x, lp: (lambda y: (y, y))(fwd(*lp, x)[0]), x, [a[:-1] for a in chunk])
+        xs = jnp.concatenate([x[None], ys])
 
         def step(dy, lx):
             lp, xi = lx
@@ -336,9 +354,9 @@ def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Ca
                 return dict(c, grads=grads, dx0=dx0), dx
 
             c, dx = jax.lax.cond(bm >= 0, backward, lambda c: (c, jnp.zeros_like(x0[0])), c)
-            if p > 1:
-                y = jax.lax.ppermute(y, axis, [(i, (i + 1) % p) for i in range(p)])
-                dx = jax.lax.ppermute(dx, axis, [(i, (i - 1) % p) for i in range(p)])
+            # a tick where no device sends in a direction sends nothing there (every device takes that branch)
+            y = jax.lax.cond(at("any_f", t), lambda y: jax.lax.ppermute(y, axis, ahead), jnp.zeros_like, y)
+            dx = jax.lax.cond(at("any_b", t), lambda d: jax.lax.ppermute(d, axis, back), jnp.zeros_like, dx)
             fin = jnp.where(at("rf", t) >= 0, c["fin"].at[at("rfc", t), at("rf", t) % slots].set(y), c["fin"])
             bin_ = jnp.where(at("rb", t) >= 0, c["bin"].at[at("rbc", t), at("rb", t) % slots].set(dx), c["bin"])
             return dict(c, fin=fin, bin=bin_)
@@ -369,5 +387,8 @@ def _tables(sched) -> dict[str, np.ndarray]:
         "first_f": (fm >= 0) & (fvs == 0), "last_f": (fm >= 0) & (fvs == last), "first_b": (bm >= 0) & (bvs == 0),
         "rf": np.where(sent_f, fm[:, src_f], -1), "rfc": np.where(sent_f, (fvs[:, src_f] + 1) // p, 0),
         "rb": np.where(sent_b, bm[:, src_b], -1), "rbc": np.where(sent_b, (bvs[:, src_b] - 1) // p, 0),
+        # per tick, whether any device receives (the same on every device, so every device takes one branch)
+        "any_f": np.repeat(sent_f.any(axis=1, keepdims=True), p, axis=1),
+        "any_b": np.repeat(sent_b.any(axis=1, keepdims=True), p, axis=1),
     }
 

@@ -52,10 +52,10 @@ from jax.sharding import Mesh
 
 from ..darray import DArray
 from ..jaxcompat import jc, open_jaxpr, source_info_util
-from ..placements import Placement, Replicate, Shard, StridedShard
-from .pipeline import pipeline_value_and_grad
+from ..placements import Replicate, shift_dims
+from .pipeline import pipeline_value_and_grad, split_placement
 
-__all__ = ["Pipelined", "find_pipelined", "split_placement", "stacked_placements", "value_and_grad"]
+__all__ = ["Pipelined", "find_pipelined", "stacked_placements", "value_and_grad"]
 
 # equations are attributed to the user's line: jshard's own wrappers are not it
 source_info_util.register_exclusion(os.path.abspath(__file__))
@@ -107,18 +107,11 @@ def find_pipelined(model: nnx.Module) -> list[tuple[tuple, Pipelined]]:
     return [(path, node) for path, node in nnx.iter_graph(model) if isinstance(node, Pipelined)]
 
 
-def split_placement(virtual_stages: int) -> Placement:
-    """How the stacked blocks lie along the pipeline axis: contiguous stages, or ``virtual_stages`` chunks per device
-    dealt round-robin (device ``d`` holds virtual stages ``d, p + d, 2p + d, ...``)."""
-    return Shard(0) if virtual_stages == 1 else StridedShard(0, virtual_stages)
-
-
 def stacked_placements(placements: tuple, mesh: Mesh, style: Any, where: str = "") -> tuple:
     """The placements of a block parameter's stack (a new dim 0) from one block's: split along the pipeline axis,
     as they were on the others."""
     axis = list(mesh.axis_names).index(style.axis)
-    shifted = [type(q)(q.dim + 1, *([q.split_factor] if q.split_factor != 1 else [])) if q.is_shard else q
-               for q in placements]
+    shifted = shift_dims(placements, 1)
     if shifted[axis] != Replicate():
         raise ValueError(f"parallelize: a parameter of {where or 'a pipelined block'} is placed {placements[axis]!r} "
                          f"on mesh axis {style.axis!r}, which {style.label} uses for the stages; place the blocks' "
