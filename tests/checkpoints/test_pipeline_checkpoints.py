@@ -1,9 +1,9 @@
 """Checkpoints of pipelined training: a pipelined ``TrainStep``'s state (the blocks' parameters and optimizer
 moments stacked along dim 0, split over the pipeline axis) saved under one pipeline restores under another (other
 stage count, other axes beside it, a size-1 axis, one device) with ``like=step.state``, and training goes on with
-the uninterrupted run's losses, which are one device's. A pipelined state restored into the same model not
-pipelined (``blocks[i].*`` where the checkpoint holds ``blocks.layers.*`` stacked) is a conversion checkpoints do
-not make yet: its tests say what is expected and are marked as failing."""
+the uninterrupted run's losses, which are one device's. A pipelined state restores into the same model not
+pipelined (``blocks[i].*`` where the checkpoint holds ``blocks.layers.*`` stacked: block ``i`` is slice ``i``), and
+back."""
 
 from __future__ import annotations
 
