@@ -349,8 +349,10 @@ LONG = [
           "# jshard 4: long context and deep models\n"
           "Long sequences: the sequence of every activation sharded over a mesh axis (context parallelism), and "
           "attention across it by passing key/value blocks around a ring, gathering them, or moving the sequence "
-          "to the heads and back (all-to-all). `jshard.attention` is `jax.nn.dot_product_attention` wherever "
-          "jshard does not shard it; every cell checks its claims against that function or one device."),
+          "to the heads and back (all-to-all). Deep models: the blocks split into stages over a mesh axis "
+          "(pipeline parallelism), microbatches flowing stage to stage by a schedule. `jshard.attention` is "
+          "`jax.nn.dot_product_attention` wherever jshard does not shard it; every cell checks its claims against "
+          "that function or one device."),
     ("code", INSTALL),
     ("code", SETUP),
     ("code", '''import optax
@@ -505,6 +507,101 @@ plt.tight_layout(); plt.show()
 ours_mb, gspmd_mb = ([m for m, _ in r] for r in rows.values())
 assert ours_mb[-1] < gspmd_mb[-1] and ours_mb[-1] - ours_mb[0] < gspmd_mb[-1] - gspmd_mb[0]
 assert rows["jshard (ring)"][-1][1] < rows["GSPMD"][-1][1]'''),
+    ("md", "## Deep models: pipeline parallelism\n"
+           "`PipelineParallel(\"pp\", microbatches=m, schedule=...)` on the model's list of blocks stacks their "
+           "parameters along a new dim 0 split over `pp` (stage `s` of 4 holds block `s`: no device holds another "
+           "stage's blocks), and `TrainStep` runs each step as `m` microbatches flowing stage to stage, activations "
+           "sent on and input gradients sent back by `ppermute`, in the step's one program. `plan(\"pp+dp\")` adds "
+           "it to data parallelism on the other axis: a 4-layer GPT on (pp=4, dp=2), trained next to one device."),
+    ("code", '''from jshard.parallel.schedule import make_schedule
+V, D, H, L, S, BATCH = 64, 32, 4, 4, 64, 8
+make = lambda: GPT(V, D, H, L, S, rngs=nnx.Rngs(0))
+pp_dp = jax.make_mesh((4, 2), ("pp", "dp"), devices=devices[:8])
+styles, default = plan("pp+dp", microbatches=4, schedule="1f1b")
+step = TrainStep(parallelize(make, pp_dp, styles, default=default), tx, loss_fn)
+kernel = step.model.blocks.layers.q.kernel.get_value()
+print("q kernels of the 4 blocks:", kernel.shape, kernel.placements, "a device holds", kernel.spec.local_block_shape)
+assert kernel.spec.local_block_shape == (1, D, D)
+batches = [tuple(rng.integers(0, V, (BATCH, S)).astype(np.int32) for _ in range(2)) for _ in range(4)]
+data = lambda b: [jshard.distribute(a, pp_dp, [Replicate(), Shard(0)]) for a in b]
+print("one step communicates:", step.explain(*data(batches[0])).totals)
+reference = one_device_trainer(make(), tx, loss_fn)
+ours = [float(step(*data(b))) for b in batches]
+theirs = [reference(*b) for b in batches]
+print(np.round(ours, 5)); print(np.round(theirs, 5))
+assert curve_ratio(ours, theirs, n_per_step=summed_terms(V, D, L, S, BATCH)) <= 1'''),
+    ("md", "## The schedules\n"
+           "`make_schedule(kind, stages, microbatches, virtual_stages)` gives the tables the step's loop reads: at "
+           "each tick, the microbatch each stage runs forward (F) and backward (B). GPipe runs every forward, then "
+           "every backward; 1F1B starts the backward wavefront as soon as the last stage has the first loss; "
+           "interleaved gives each device 2 chunks of the model (virtual stages), so the wavefronts are twice as "
+           "long and the idle corners (the bubble) half as large a share. Here p = 4 stages and m = 8 microbatches; "
+           "each schedule's idle share is its theory, (p - 1) / (v m + p - 1), a backward costing two forwards."),
+    ("code", '''from matplotlib.colors import ListedColormap
+from matplotlib.patches import Patch
+stages, micro = 4, 8
+schedules = {"gpipe": make_schedule("gpipe", stages, micro), "1f1b": make_schedule("1f1b", stages, micro),
+             "interleaved, v=2": make_schedule("interleaved", stages, micro, 2)}
+print(schedules["1f1b"].table())
+colors = ListedColormap(["whitesmoke", "tab:blue", "tab:orange", "tab:purple"])
+
+
+def units(s, t, d):
+    """The cell's microbatches, forward then backward (with the chunk after a dot where there are several)."""
+    return "\\n".join(f"{mb[t, d]}" + (f".{chunk[t, d]}" if s.virtual_stages > 1 else "")
+                       for mb, chunk in ((s.forward, s.forward_chunk), (s.backward, s.backward_chunk)) if mb[t, d] >= 0)
+
+
+fig, axes = plt.subplots(3, 1, figsize=(11, 6.5), sharex=True)
+for ax, (name, s) in zip(axes, schedules.items(), strict=True):
+    kind = (s.forward >= 0) + 2 * (s.backward >= 0)  # [ticks, stages]: 0 idle, 1 F, 2 B, 3 both
+    ax.imshow(kind.T, cmap=colors, vmin=0, vmax=3, aspect="auto")
+    for t in range(s.ticks):
+        for d in range(stages):
+            ax.text(t, d, units(s, t, d), ha="center", va="center", fontsize=5)
+    ax.set_yticks(range(stages)); ax.set_ylabel("stage")
+    ax.set_title(f"{name}: {s.ticks} ticks, idle {s.wasted():.1%} (theory {s.theory():.1%})", fontsize=9)
+    assert np.isclose(s.wasted(), s.theory())
+axes[-1].set_xlabel("tick")
+fig.legend(handles=[Patch(color=colors(i), label=label) for i, label in
+                    enumerate(["idle", "forward", "backward", "forward + backward"])], loc="upper right", ncol=4)
+plt.tight_layout(rect=(0, 0, 1, 0.96)); plt.show()'''),
+    ("md", "## Memory against microbatches\n"
+           "A stage keeps the input of every microbatch whose forward it ran and whose backward it has not (the "
+           "backward recomputes the stage's forward from it). `in_flight()` counts them per stage: GPipe holds all "
+           "`m`, 1F1B at most `2(p - 1 - d)` on stage `d` whatever `m`. Then XLA's memory analysis of the compiled "
+           "step of the GPT above for each schedule at `m` = 4 and 16 (the step trained above is the 1F1B, "
+           "`m = 4` one), a "
+           "microbatch of 2 rows, so the batch grows with `m`: its temporaries (activations, stashed stage inputs, "
+           "gradients in flight). Both schedules also hold the embeddings' outputs and their gradients for the whole "
+           "batch outside the pipeline, which grow with `m`; GPipe's stash grows on top of that, 1F1B's stops "
+           "growing at 7 slots."),
+    ("code", '''counts = [4, 8, 16]
+for kind in ("gpipe", "1f1b"):
+    held = [make_schedule(kind, 4, m).in_flight().tolist() for m in counts]
+    print(f"{kind:<6} microbatches held per stage: " + "  ".join(f"m={m}: {h}" for m, h in zip(counts, held,
+                                                                                              strict=True)))
+assert [make_schedule("gpipe", 4, m).in_flight().max() for m in counts] == counts
+assert [make_schedule("1f1b", 4, m).in_flight().max() for m in counts] == [4, 6, 6]  # at most 2(p - 1)
+steps, temps = {("1f1b", 4): step}, {}  # the trained step's program is compiled already
+compiled = [4, 16]  # each point compiles a step: the two ends of the range
+for kind in ("gpipe", "1f1b"):
+    for m in compiled:
+        if (kind, m) not in steps:
+            styles, default = plan("pp+dp", microbatches=m, schedule=kind)
+            steps[kind, m] = TrainStep(parallelize(make, pp_dp, styles, default=default), tx, loss_fn)
+        ids = jshard.distribute(np.zeros((m * BATCH // 4, S), np.int32), pp_dp, [Replicate(), Shard(0)])
+        temps[kind, m] = steps[kind, m].lower(ids, ids).compile().memory_analysis().temp_size_in_bytes / MB
+    print(f"{kind:<6} temporaries per device: " + "  ".join(f"m={m}: {temps[kind, m]:.2f} MB" for m in compiled))
+fig, (held_ax, mem_ax) = plt.subplots(1, 2, figsize=(10, 3.2))
+for kind in ("gpipe", "1f1b"):
+    held_ax.plot(counts, [make_schedule(kind, 4, m).in_flight()[0] for m in counts], "o-", label=kind)
+    mem_ax.plot(compiled, [temps[kind, m] for m in compiled], "o-", label=kind)
+held_ax.set_xlabel("microbatches"); held_ax.set_ylabel("stage 0's stashed inputs"); held_ax.legend()
+mem_ax.set_xlabel("microbatches"); mem_ax.set_ylabel("MB of temporaries per device"); mem_ax.legend()
+plt.tight_layout(); plt.show()
+assert temps["1f1b", 16] < temps["gpipe", 16]
+assert temps["1f1b", 16] - temps["1f1b", 4] < temps["gpipe", 16] - temps["gpipe", 4]'''),
 ]
 
 NOTEBOOKS = {"01_placements.ipynb": PLACEMENTS, "02_flax_tensor_parallel.ipynb": FLAX,

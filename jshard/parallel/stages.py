@@ -22,18 +22,28 @@ chain (``x = block(x)`` in order, each once, nothing else reading a block's outp
 >>> import jax, jax.numpy as jnp, numpy as np, optax, jshard
 >>> from flax import nnx
 >>> from jshard.parallel import PipelineParallel, TrainStep, parallelize
+>>> class Block(nnx.Module):
+...     def __init__(self, rngs):
+...         self.linear = nnx.Linear(8, 8, rngs=rngs)
+...     def __call__(self, x):
+...         return jnp.tanh(self.linear(x))
 >>> class Deep(nnx.Module):
 ...     def __init__(self, rngs):
-...         self.blocks = nnx.List([nnx.Linear(8, 8, rngs=rngs) for _ in range(4)])
+...         self.blocks = nnx.List([Block(rngs) for _ in range(4)])
 ...         self.head = nnx.Linear(8, 1, rngs=rngs)
 ...     def __call__(self, x):
 ...         for block in self.blocks:
-...             x = jnp.tanh(block(x))
+...             x = block(x)
 ...         return self.head(x)
 >>> mesh = jax.make_mesh((4, 2), ("pp", "dp"))
 >>> model = parallelize(lambda: Deep(nnx.Rngs(0)), mesh, {"blocks": PipelineParallel("pp", microbatches=2)})
->>> model.blocks.layers.kernel.get_value().shape, model.blocks.layers.kernel.get_value().placements
+>>> kernel = model.blocks.layers.linear.kernel.get_value()
+>>> kernel.shape, kernel.placements
 ((4, 8, 8), (S(0), R))
+>>> step = TrainStep(model, optax.sgd(0.1), lambda m, x: jnp.mean(m(x) ** 2))
+>>> x = jshard.distribute(np.ones((4, 8), np.float32), mesh, [jshard.Replicate(), jshard.Shard(0)])
+>>> float(step(x)) > float(step(x))
+True
 """
 
 from __future__ import annotations
