@@ -127,7 +127,7 @@ def _stacked_equivalent(params: dict, reference: dict) -> None:
 
 
 PIPELINED = [
-    pytest.param((2, 4), ("pp", "tp"), "tp", "1f1b", 1, 2, id="pp2xtp4-1f1b"),
+    pytest.param((2, 4), ("pp", "tp"), "tp", "1f1b", 1, 2, id="pp2xtp4-1f1b", marks=pytest.mark.slow),
     pytest.param((2, 2, 2), ("pp", "dp", "tp"), "dp+tp", "gpipe", 1, 4, id="pp2xdp2xtp2-gpipe"),
     pytest.param((4, 2), ("pp", "dp"), "fsdp", "1f1b", 1, 4, id="pp4xfsdp2-1f1b"),
     pytest.param((2, 4), ("pp", "tp"), "sp", "interleaved", 2, 4, id="pp2xsp4-interleaved", marks=pytest.mark.slow),
@@ -152,6 +152,7 @@ def test_a_pipelined_gpt_trains_like_one_device(one_device, shape, names, style,
     assert kernel.spec.local_block_shape[0] == LAYERS // p  # a stage holds its own blocks, no other's
 
 
+@pytest.mark.slow
 def test_a_pipelined_model_called_outside_the_step_computes_the_same_logits():
     mesh = jax.make_mesh((4, 2), ("pp", "tp"))
     plan, _ = gpt_plan("tp")
