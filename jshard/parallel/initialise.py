@@ -54,7 +54,7 @@ from ..darray import DArray
 from ..jaxcompat import jc, open_jaxpr, source_info_util
 from ..operators import stack
 
-__all__ = ["Constructor", "initialise", "trace_constructor"]
+__all__ = ["Constructor", "initialise", "stack_members", "trace_constructor"]
 
 # elements: a value this small is made by the eager key chain, and recomputed by every program that reads it
 SMALL = 1 << 12
@@ -138,14 +138,20 @@ def initialise(build: Callable[[], nnx.Module] | Constructor, mesh: Mesh, placem
                        out_placements=[placements[m] for m in rest], mesh=mesh)
         for m, value in zip(rest, together(), strict=True):
             values[m] = value
-    for k, (ms, where) in enumerate(stacks):
-        if k not in drawn:  # members drawn apart (not one group, or alone): stacked from them
-            values[ms[0]] = stack([values[m] for m in ms], where)
-        for m in ms[1:]:
-            values[m] = None
+    values = stack_members(values, [s for k, s in enumerate(stacks) if k not in drawn])  # drawn apart: stacked now
     order, _ = graph.closure(others)
     state = jax.jit(graph.replay(order, [], others))() if others else []
     return values, jax.tree.unflatten(jax.tree.structure(other), state)
+
+
+def stack_members(values: list, stacks: list[tuple[list[int], tuple]]) -> list:
+    """``values`` with the members of each stack stacked into the first member's place (with the stack's
+    placements), the others None."""
+    for members, placements in stacks:
+        values[members[0]] = stack([values[m] for m in members], placements)
+        for m in members[1:]:
+            values[m] = None
+    return values
 
 
 def _split(module: nnx.Module) -> tuple[list, nnx.State]:

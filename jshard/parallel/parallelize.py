@@ -50,10 +50,9 @@ from ..arguments import is_darray
 from ..caches import memo
 from ..darray import DArray, distribute
 from ..jaxcompat import source_info_util
-from ..operators import stack
 from ..placements import Placement, Replicate
 from ..spec import Spec, format_mesh, shard_order
-from .initialise import Constructor, initialise, trace_constructor
+from .initialise import Constructor, initialise, stack_members, trace_constructor
 from .stages import Pipelined, stacked_placements
 from .styles import ParallelStyle, PipelineParallel, UnplacedParameter, _is_array, style_classes
 
@@ -316,12 +315,7 @@ def _build(model: nnx.Module, build: Constructor | None, mesh: Mesh, params: lis
     their placements, its other state (RNG streams) going into the abstract model, a pipeline's blocks drawn
     stacked where they can be (``stacks``: the first block's parameter then holds the stack, the others None)."""
     if build is None:
-        values = [distribute(p.value, mesh, list(p.placements)) for p in params]
-        for members, placements in stacks:
-            values[members[0]] = stack([values[m] for m in members], placements)
-            for m in members[1:]:
-                values[m] = None
-        return values
+        return stack_members([distribute(p.value, mesh, list(p.placements)) for p in params], stacks)
     values, other = initialise(build, mesh, [p.placements for p in params], stacks)
     nnx.update(model, other)
     return values
@@ -370,7 +364,8 @@ def _pipelines(matched: _Matched, mesh: Mesh) -> list[tuple[tuple, PipelineParal
                 if _signature(b) != first:
                     raise ValueError(f"parallelize: {style.label} stacks the blocks of {where}, and block {i} "
                                      f"({type(b).__name__}) differs from block 0 ({type(blocks[0]).__name__}) in its "
-                                     "structure, parameter shapes or dtypes; pipelined blocks must be identical")
+                                     "structure, settings (attributes such as a head count), parameter shapes or "
+                                     "dtypes; pipelined blocks must be identical")
             size = mesh.shape[style.axis] * style.virtual_stages
             if len(blocks) % size:
                 raise ValueError(f"parallelize: {style.label} splits the {len(blocks)} blocks of {where} into "
@@ -404,10 +399,11 @@ def _stacks(params: list[_Placed], pipelines: list[tuple[tuple, PipelineParallel
 
 
 def _signature(module: nnx.Module) -> tuple:
-    """What identical blocks share: classes, structure, and each parameter's shape and dtype."""
+    """What identical blocks share: the graph (classes, structure, settings such as a head count) and each
+    parameter's shape and dtype. One block's graph runs every block of a pipeline."""
     graphdef, state = nnx.split(module)
     shapes = [(tuple(np.shape(v)), str(getattr(v, "dtype", type(v).__name__))) for v in jax.tree.leaves(state)]
-    return (type(module).__name__, jax.tree.structure(state), tuple(shapes))
+    return graphdef, tuple(shapes)
 
 
 def _key(path: tuple) -> str:

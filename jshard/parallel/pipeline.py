@@ -149,8 +149,7 @@ def split_placement(virtual_stages: int) -> Placement:
 
 def _abstract(*args, fwd, bwd, tail, axis, kind, virtual, counts):
     n, k, _ = counts
-    loss = jax.core.ShapedArray((), tail.out_avals[0].dtype)
-    return [loss, *[a for a in args[:n]], *[a for a in args[n:n + k]], args[n + k]]
+    return [jax.core.ShapedArray((), tail.out_avals[0].dtype), *args[:n + k + 1]]
 
 
 def _impl(*args, fwd, bwd, tail, axis, kind, virtual, counts):
@@ -193,7 +192,7 @@ pipeline_p = _primitive()
 @control("jshard_pipeline")
 def plan_pipeline(eqn: jc.JaxprEqn, specs: list[Spec], mesh: Mesh) -> tuple[Choice, Callable, tuple]:
     prm = eqn.params
-    n, k, s = prm["counts"]
+    n, k, _ = prm["counts"]
     axis, v = prm["axis"], prm["virtual"]
     if axis not in mesh.axis_names:
         raise ValueError(f"pipeline: mesh axis {axis!r} is not in the mesh (axes {mesh.axis_names}); name one of them")
@@ -229,7 +228,7 @@ def plan_pipeline(eqn: jc.JaxprEqn, specs: list[Spec], mesh: Mesh) -> tuple[Choi
             *[_outer(sp, mesh, ax, Partial("sum"), stack=None) for sp in d_other],
             _outer(x, mesh, ax, Partial("sum"), stack=m)]
     kernel = _kernel(sched, axis, depth, local_function(fwd, fwd_pins), local_function(bwd, bwd_pins),
-                     local_function(tail, tail_pins), counts=(n, k, s),
+                     local_function(tail, tail_pins), counts=prm["counts"], loss_dtype=tail_pins[0].dtype,
                      accumulators=([(sp.local_block_shape, sp.dtype) for sp in d_layer],
                                    [(sp.local_block_shape, sp.dtype) for sp in d_other]))
     rule = Rule("jshard_pipeline", strategies=None, communicates=lambda *_: _sends(sched, axis, x),
@@ -288,11 +287,12 @@ def _pairs(p: int, v: int) -> tuple[list, list]:
     return ahead, [(j, i) for i, j in ahead]
 
 
-def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Callable, counts,
+def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Callable, counts, loss_dtype,
             accumulators) -> Callable:
     """The per-device loop over the schedule's ticks (see the module's docstring). ``accumulators``: the local
-    (shape, dtype) of one layer's gradients and of the tail's, as their plans make them."""
-    n, k, s = counts
+    (shape, dtype) of one layer's gradients and of the tail's, as their plans make them; the loss is summed in
+    float32 and returned as ``loss_dtype``."""
+    n, k, _ = counts
     p, v, slots = sched.stages, sched.virtual_stages, sched.slots
     per = depth // (p * v)
     tables = _tables(sched)
@@ -363,7 +363,7 @@ def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Ca
 
         c = jax.lax.fori_loop(0, sched.ticks, tick, carry)
         grads = [g.reshape((v * per,) + g.shape[2:]) for g in c["grads"]]
-        return [c["loss"].astype(jnp.float32), *grads, *c["other"], c["dx0"]]
+        return [c["loss"].astype(loss_dtype), *grads, *c["other"], c["dx0"]]
 
     return run
 

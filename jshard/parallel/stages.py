@@ -154,11 +154,7 @@ def value_and_grad(graphdef: Any, loss_fn: Callable, params: Any, rest: Any, bat
     block_tree = jax.tree.structure(nnx.state(pipelined.layers, nnx.Param), is_leaf=lambda a: isinstance(a, DArray))
 
     def model_with(o):
-        merged, it = [], iter(o)
-        stack_it = iter(stacked)
-        for i in inside:
-            merged.append(next(stack_it) if i else next(it))
-        return nnx.merge(graphdef, jax.tree.unflatten(tree, merged), rest, copy=True)
+        return nnx.merge(graphdef, jax.tree.unflatten(tree, _interleave(inside, stacked, o)), rest, copy=True)
 
     def before(o, *mb):
         tape = _Tape("before", pipelined)
@@ -171,7 +167,7 @@ def value_and_grad(graphdef: Any, loss_fn: Callable, params: Any, rest: Any, bat
                          "the model must run them, for block in self.blocks: x = block(x)")
 
     def layer(lp, x):
-        return nnx.merge(block_graphdef, jax.tree.unflatten(block_tree, jax.tree.leaves(lp)))(x)
+        return nnx.merge(block_graphdef, jax.tree.unflatten(block_tree, lp))(x)
 
     def tail(o, x, *mb, standins=None):
         tape = _Tape("after", pipelined, x, standins or [jnp.zeros_like(x)] * (pipelined.depth - 1))
@@ -180,7 +176,6 @@ def value_and_grad(graphdef: Any, loss_fn: Callable, params: Any, rest: Any, bat
         tape.check_chain()
         return loss
 
-
     x0, pull = jax.vjp(lambda o: jax.vmap(lambda *mb: before(o, *mb))(*micro), other)
     _check_standins(tail, other, micro, x0, pipelined.depth)
     loss, (d_stacked, d_other, dx0) = pipeline_value_and_grad(
@@ -188,10 +183,13 @@ def value_and_grad(graphdef: Any, loss_fn: Callable, params: Any, rest: Any, bat
         virtual_stages=style.virtual_stages)
     (d_before,) = pull(dx0)
     d_other = [a + b for a, b in zip(d_other, d_before, strict=True)]
-    grads, s_it, o_it = [], iter(d_stacked), iter(d_other)
-    for i in inside:
-        grads.append(next(s_it) if i else next(o_it))
-    return (loss, rest), jax.tree.unflatten(tree, grads)
+    return (loss, rest), jax.tree.unflatten(tree, _interleave(inside, d_stacked, d_other))
+
+
+def _interleave(inside: list[bool], stacked: list, other: list) -> list:
+    """The parameters' leaves in their tree's order, from the stacked blocks' (where ``inside``) and the others'."""
+    s, o = iter(stacked), iter(other)
+    return [next(s) if i else next(o) for i in inside]
 
 
 def _check_standins(tail: Callable, other: list, micro: list, x0: Any, depth: int) -> None:

@@ -109,6 +109,13 @@ class TrainStep:
         if len(pipelined) > 1:
             raise ValueError(f"TrainStep: the model holds {len(pipelined)} pipelined block lists; a model has one "
                              "pipeline")
+        if pipelined and jax.tree.leaves(rest):
+            # each microbatch would draw the same dropout masks, step after step: refused rather than wrong
+            kind = type(jax.tree.leaves(rest, is_leaf=lambda v: isinstance(v, nnx.Variable))[0]).__name__
+            raise ValueError(f"TrainStep: {type(model).__name__} is pipelined and holds state besides its parameters "
+                             f"({kind}: RNG streams for dropout, batch statistics), which a pipelined step does not "
+                             "carry yet; keep that state out of the model (pass rngs to the layers that draw) or train "
+                             "it without PipelineParallel")
 
         def step(params, opt_state, rest, *batch):
             def loss_of(p):

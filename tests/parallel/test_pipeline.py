@@ -290,3 +290,50 @@ def test_pipelined_blocks_are_drawn_stacked_each_stage_drawing_its_own(monkeypat
     stacked_programs = [p for placements, p in plans if placements[0][0] == Shard(0)]
     draws = [eq for p in stacked_programs for eq in p.equations if eq.eqn.primitive.name == "random_bits"]
     assert draws and all(eq.choice.outs[0].placements[0] == Shard(0) for eq in draws)  # each stage its own blocks
+
+
+class _Heads(nnx.Module):
+    """Four blocks with parameters of one shape and a setting that differs in one of them."""
+
+    def __init__(self, rngs):
+        self.blocks = nnx.List([_Scaled(8, 2.0 if i == 3 else 1.0, rngs) for i in range(4)])
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class _Scaled(nnx.Module):
+    def __init__(self, dim, scale, rngs):
+        self.scale = scale
+        self.linear = nnx.Linear(dim, dim, rngs=rngs)
+
+    def __call__(self, x):
+        return self.scale * self.linear(x)
+
+
+def test_parallelize_refuses_blocks_that_differ_only_in_a_setting():
+    # one block's graph runs every block: a block with another setting would silently run as block 0
+    with pytest.raises(ValueError, match=r"block 3 \(_Scaled\) differs from block 0 .* settings"):
+        parallelize(lambda: _Heads(nnx.Rngs(0)), jax.make_mesh((4, 2), ("pp", "dp")),
+                    {"blocks": PipelineParallel("pp")})
+
+
+class _Dropping(nnx.Module):
+    def __init__(self, rngs):
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.blocks = nnx.List([nnx.Linear(8, 8, rngs=rngs) for _ in range(4)])
+
+    def __call__(self, x):
+        x = self.drop(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_train_step_refuses_a_pipelined_model_with_state_besides_parameters():
+    mesh = jax.make_mesh((2, 4), ("pp", "dp"))
+    model = parallelize(lambda: _Dropping(nnx.Rngs(0)), mesh, {"blocks": PipelineParallel("pp", microbatches=2)})
+    with pytest.raises(ValueError, match=r"is pipelined and holds state besides its parameters \(Rng"):
+        TrainStep(model, optax.sgd(0.1), _mse)
