@@ -15,7 +15,7 @@ import contextvars
 import gc
 import operator
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,11 +82,17 @@ def trace(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, pins: Callable[[
                             "(or pytrees of arrays)")
         return out
 
-    token = _TRACING.set(mesh)
-    try:
-        closed, out_shape = _jaxpr(traced, avals, mesh)
-    finally:
-        _TRACING.reset(token)
+    shared = _SHARED.get()
+    if shared is not None and shared[1] in shared[0]:
+        closed, out_shape = shared[0][shared[1]]
+    else:
+        token = _TRACING.set(mesh)
+        try:
+            closed, out_shape = _jaxpr(traced, avals, mesh)
+        finally:
+            _TRACING.reset(token)
+        if shared is not None:
+            shared[0][shared[1]] = (closed, out_shape)
     out_tree = jax.tree.structure(out_shape)
     pinned = [None if pin is None else Spec.create(mesh, pin, a.shape, a.dtype, where=f"out_placements (output {i})")
               for i, (pin, a) in enumerate(zip(pins(out_tree, len(closed.out_avals)), closed.out_avals, strict=True))]
@@ -103,6 +109,21 @@ def tracing_mesh() -> Mesh | None:
 
 
 _TRACING: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("jshard_tracing_mesh", default=None)
+
+
+@contextlib.contextmanager
+def shared_trace(store: dict, key: Any) -> Iterator[None]:
+    """While open, ``trace`` takes its jaxpr from ``store[key]`` when there (else traces and puts it there) and only
+    plans it. For a caller tracing functions it knows give one jaxpr (``autoplan``: one step under plans that differ
+    only in which devices each mesh axis holds), so that it plans each of them without tracing it again."""
+    token = _SHARED.set((store, key))
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
+_SHARED: contextvars.ContextVar[tuple[dict, Any] | None] = contextvars.ContextVar("jshard_shared_trace", default=None)
 
 
 def _jaxpr(traced: Callable, avals: list, mesh: Mesh) -> tuple[Any, Any]:

@@ -8,7 +8,9 @@ whole behaviour, see ``styles``), placing Flax's own layers by what their dims m
 pipelined model's step by its schedule: ``stages``, ``pipeline``, ``schedule``).
 """
 
+from .autoplan import autoplan
 from .parallelize import parallelize, placements_of
+from .plan import Memory, Plan
 from .styles import (
     ColwiseParallel,
     ContextParallel,
@@ -25,6 +27,6 @@ from .styles import (
 )
 from .training import TrainStep, init_optimizer
 
-__all__ = ["ColwiseParallel", "ContextParallel", "DataParallel", "FullyShard", "Layout", "ParallelStyle",
-           "PipelineParallel", "RowwiseParallel", "SequenceParallel", "TrainStep", "UnplacedParameter",
-           "init_optimizer", "layout", "parallelize", "placements_of", "style_classes"]
+__all__ = ["ColwiseParallel", "ContextParallel", "DataParallel", "FullyShard", "Layout", "Memory", "ParallelStyle",
+           "PipelineParallel", "Plan", "RowwiseParallel", "SequenceParallel", "TrainStep", "UnplacedParameter",
+           "autoplan", "init_optimizer", "layout", "parallelize", "placements_of", "style_classes"]

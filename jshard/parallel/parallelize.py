@@ -53,6 +53,7 @@ from ..jaxcompat import source_info_util
 from ..placements import Placement, Replicate
 from ..spec import Spec, format_mesh, shard_order
 from .initialise import Constructor, initialise, stack_members, trace_constructor
+from .plan import Plan
 from .stages import Pipelined, stacked_placements
 from .styles import ParallelStyle, PipelineParallel, UnplacedParameter, _is_array, style_classes
 
@@ -63,7 +64,7 @@ source_info_util.register_exclusion(os.path.abspath(__file__))
 
 
 def parallelize(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh,
-                plan: Mapping[str, ParallelStyle | Sequence[ParallelStyle]] | None = None, *,
+                plan: Mapping[str, ParallelStyle | Sequence[ParallelStyle]] | Plan | None = None, *,
                 default: ParallelStyle | Sequence[ParallelStyle] = (),
                 rules: Mapping[str, Any] | Sequence[tuple[str, Any]] = ()) -> nnx.Module:
     """Distribute the parameters of ``model`` over ``mesh``: a constructor (a function of no arguments that builds
@@ -78,10 +79,10 @@ def parallelize(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh,
     values are exactly those of the eager single-device construction. A built module is fine for small models: its
     parameters are distributed from where they are.
 
-    ``plan``: ``{module path pattern: style or [styles]}`` (every pattern matching a module applies to it, its
-    styles on different mesh axes composing; two that give one module different styles on one mesh axis are
-    refused as a conflict; ``""`` is the model itself; ``*`` also matches ``/``; a ``FullyShard`` also takes the
-    parameters of the modules inside its own, gathering them together);
+    ``plan``: ``{module path pattern: style or [styles]}``, or a ``Plan`` found by ``autoplan`` (every pattern
+    matching a module applies to it, its styles on different mesh axes composing; two that give one module
+    different styles on one mesh axis are refused as a conflict; ``""`` is the model itself; ``*`` also matches
+    ``/``; a ``FullyShard`` also takes the parameters of the modules inside its own, gathering them together);
     ``default``: styles applied to every parameter first (say ``FullyShard("dp")``); ``rules``:
     ``(logical name, mesh axis)`` pairs resolving ``nnx.with_partitioning`` names. The parameters stay DArrays
     through ``nnx.split`` / ``nnx.merge`` / ``nnx.state`` and ``jshard.jit``.
@@ -110,6 +111,8 @@ def parallelize(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh,
     if not isinstance(mesh, Mesh):
         raise TypeError(f"parallelize: mesh must be a jax.sharding.Mesh (say jax.make_mesh((2, 4), ('dp', 'tp'))), "
                         f"got {kind_of(mesh)}")
+    if isinstance(plan, Plan):  # autoplan's: its styles and default together
+        plan, default = plan.styles, (*plan.default, *_styles(default, "default="))
     plan = _plan(plan)
     default = _styles(default, "default=")
     rules = _rules(rules, mesh)
@@ -119,10 +122,32 @@ def parallelize(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh,
     units = _units(matched, params)
     stacks = _stacks(params, pipelines, mesh)
     values = _build(model, build, mesh, params, stacks)
-    _install(matched, params, values, units)
-    for path, style in pipelines:  # the first block holds every block's parameters, stacked
-        blocks = list(matched.modules[path])
-        setattr(matched.modules[path[:-1]], path[-1], Pipelined(blocks[0], len(blocks), style))
+    _install(matched, params, values, units, pipelines)
+    return model
+
+
+def parallelize_shapes(model: nnx.Module, mesh: Mesh, plan: Mapping[str, Any] | None = None, *,
+                       default: ParallelStyle | Sequence[ParallelStyle] = ()) -> nnx.Module:
+    """``parallelize`` for an abstract module (``nnx.eval_shape``'s, shapes in place of values), changed in place:
+    each parameter becomes a DArray that holds its spec and, as its block, a ``jax.ShapeDtypeStruct`` of its
+    global shape. Enough to trace and plan a training step (``jshard.jit(...).trace``; ``autoplan`` prices plans
+    so), never to run one."""
+    plan, default = _plan(plan), _styles(default, "default=")
+    matched = _match(model, mesh, plan, default)
+    pipelines = _pipelines(matched, mesh)
+    params = _place(model, matched, mesh, {})
+    units = _units(matched, params)
+
+    def shaped(shape, dtype, placements):
+        return DArray(jax.ShapeDtypeStruct(shape, dtype), Spec.create(mesh, placements, shape, dtype))
+
+    values = [shaped(p.value.shape, p.value.dtype, p.placements) for p in params]
+    for members, placements in _stacks(params, pipelines, mesh):
+        first = params[members[0]].value
+        values[members[0]] = shaped((len(members), *first.shape), first.dtype, placements)
+        for m in members[1:]:
+            values[m] = None
+    _install(matched, params, values, units, pipelines)
     return model
 
 
@@ -321,7 +346,8 @@ def _build(model: nnx.Module, build: Constructor | None, mesh: Mesh, params: lis
     return values
 
 
-def _install(matched: _Matched, params: list[_Placed], values: list[DArray], units: dict[tuple, tuple]) -> None:
+def _install(matched: _Matched, params: list[_Placed], values: list[DArray], units: dict[tuple, tuple],
+             pipelines: list[tuple[tuple, PipelineParallel]]) -> None:
     """Step 5, the change, all at once: each parameter takes its DArray, and each callable module that constrains
     its calls, gathers a unit or holds parameters (the model itself among them) takes a class whose ``__call__``
     does so and runs eagerly on DArrays."""
@@ -340,6 +366,9 @@ def _install(matched: _Matched, params: list[_Placed], values: list[DArray], uni
             p.var.set_value(value)
     for path, cls in classes.items():
         matched.modules[path].__class__ = cls
+    for path, style in pipelines:  # the first block holds every block's parameters, stacked
+        blocks = list(matched.modules[path])
+        setattr(matched.modules[path[:-1]], path[-1], Pipelined(blocks[0], len(blocks), style))
 
 
 def _pipelines(matched: _Matched, mesh: Mesh) -> list[tuple[tuple, PipelineParallel]]:

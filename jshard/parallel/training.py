@@ -102,9 +102,6 @@ class TrainStep:
         self._flat: tuple | None = None
         # under key 0, the _Hot of the last step: forgotten by jshard.clear_caches(), as the step's programs are
         self._hot = Cache(1)
-        # gradients land on their parameters' placements at once (one all-reduce per replicated parameter, one
-        # reduce-scatter per sharded one), so the optimizer's elementwise update needs no communication
-        grad_placements = jax.tree.leaves(placements_of(params), is_leaf=lambda p: isinstance(p, tuple))
         pipelined = find_pipelined(model)
         if len(pipelined) > 1:
             raise ValueError(f"TrainStep: the model holds {len(pipelined)} pipelined block lists; a model has one "
@@ -116,29 +113,7 @@ class TrainStep:
                              f"({kind}: RNG streams for dropout, batch statistics), which a pipelined step does not "
                              "carry yet; keep that state out of the model (pass rngs to the layers that draw) or train "
                              "it without PipelineParallel")
-
-        def step(params, opt_state, rest, *batch):
-            def loss_of(p):
-                # fresh Variables at this trace level: the forward pass may update them (RNG counts), and Flax
-                # refuses updates to Variables made outside the gradient's trace
-                m = nnx.merge(graphdef, p, rest, copy=True)
-                loss = loss_fn(m, *batch)
-                _check_loss(loss, loss_fn)
-                return loss, nnx.split(m, nnx.Param, ...)[2]  # state the forward pass updated (RNG counts)
-
-            if pipelined:
-                (loss, rest), grads = stages.value_and_grad(graphdef, loss_fn, params, rest, batch,
-                                                            path=pipelined[0][0], pipelined=pipelined[0][1])
-            else:
-                (loss, rest), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
-            leaves, tree = jax.tree.flatten(grads)
-            grads = jax.tree.unflatten(tree, [constrain(g, p) for g, p in zip(leaves, grad_placements, strict=True)])
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, rest, loss
-
-        mesh_rank = next(filter(is_darray, jax.tree.leaves(params, is_leaf=is_darray))).mesh.devices.ndim
-        self._step = jit(step, out_placements=(same_as(0), same_as(1), None, (Replicate(),) * mesh_rank),
-                         donate_argnums=(0, 1) if donate else (), cost_model=cost_model)
+        self._step = step_function(model, tx, loss_fn, donate=donate, cost_model=cost_model)
 
     def __call__(self, *batch) -> DArray:
         # the steady state: the last step's output blocks go straight back in, as flat as the program takes them;
@@ -240,6 +215,41 @@ class _Hot(NamedTuple):
     program: Program
     batch_tree: Any
     loss_spec: Spec
+
+
+def step_function(model: nnx.Module, tx: optax.GradientTransformation, loss_fn: Callable, *, donate: bool = True,
+                  cost_model: CostModel | None = None) -> Any:
+    """The ``jshard.jit`` function of one training step of a parallelized ``model``:
+    ``(params, opt_state, rest, *batch) -> (params, opt_state, rest, loss)``. ``TrainStep`` runs it;
+    ``autoplan`` traces it on parameters that hold only specs, to price a plan without building it."""
+    graphdef, params, _ = nnx.split(model, nnx.Param, ...)
+    # gradients land on their parameters' placements at once (one all-reduce per replicated parameter, one
+    # reduce-scatter per sharded one), so the optimizer's elementwise update needs no communication
+    grad_placements = jax.tree.leaves(placements_of(params), is_leaf=lambda p: isinstance(p, tuple))
+    pipelined = find_pipelined(model)
+
+    def step(params, opt_state, rest, *batch):
+        def loss_of(p):
+            # fresh Variables at this trace level: the forward pass may update them (RNG counts), and Flax
+            # refuses updates to Variables made outside the gradient's trace
+            m = nnx.merge(graphdef, p, rest, copy=True)
+            loss = loss_fn(m, *batch)
+            _check_loss(loss, loss_fn)
+            return loss, nnx.split(m, nnx.Param, ...)[2]  # state the forward pass updated (RNG counts)
+
+        if pipelined:
+            (loss, rest), grads = stages.value_and_grad(graphdef, loss_fn, params, rest, batch,
+                                                        path=pipelined[0][0], pipelined=pipelined[0][1])
+        else:
+            (loss, rest), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+        leaves, tree = jax.tree.flatten(grads)
+        grads = jax.tree.unflatten(tree, [constrain(g, p) for g, p in zip(leaves, grad_placements, strict=True)])
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, rest, loss
+
+    mesh_rank = next(filter(is_darray, jax.tree.leaves(params, is_leaf=is_darray))).mesh.devices.ndim
+    return jit(step, out_placements=(same_as(0), same_as(1), None, (Replicate(),) * mesh_rank),
+               donate_argnums=(0, 1) if donate else (), cost_model=cost_model)
 
 
 def _check_tx(tx: Any, where: str) -> None:

@@ -1,0 +1,540 @@
+"""``autoplan``: the parallel plan of a whole training step, searched under a memory budget.
+
+A plan gives each mesh axis a role: ``"dp"`` (the batch split, parameters replicated), ``"fsdp"`` (the batch
+split, parameters sharded and gathered where used), ``"tp"`` (Megatron's tensor parallelism), ``"sp"`` (``"tp"``
+with the norms and residual stream sharded on the sequence) or ``"cp"`` (context parallelism: the sequence split,
+attention crossing the axis as the cost model chooses). Roles on several axes compose (FSDP on one data axis and
+data parallelism on another is HSDP; one tensor axis and one context axis at most). Under ``"tp"`` / ``"sp"``
+each linear layer's side is read from the model's own dataflow, not from its names: a layer fed by no other
+layer's output (q, k, v, up, a head) runs column parallel, one fed by a column-parallel layer (o, down) row
+parallel, alternating along a chain; embeddings looked up by the batch's ids are split on the vocabulary; norms
+pin their output replicated (``"tp"``) or run sequence parallel (``"sp"``).
+
+Each candidate is priced by jshard itself: the model's step (forward, gradients, optimizer update) is traced on
+parameters that hold only their specs and planned by the engine, as ``TrainStep`` would run it, on the model cut
+to one block and to two. Every figure of a model whose blocks share one plan is affine in the number of blocks,
+so the two plans give it exactly for any depth: the search costs the same for 2 blocks or 32, and nothing is
+ever built. The figures are
+
+- communication: the cost model's µs of every collective the plan runs;
+- computation: the FLOPs each device runs (its matmuls at its local shapes), at the rate the mesh's devices are
+  measured to reach running together (a short matmul, once per process);
+- memory per device: parameters, optimizer state and batch as placed, and the peak of the step's live
+  intermediates (activations, gradients), from the plan's equations at their local shapes.
+
+The candidates are few once axes of the same size and cost are taken as interchangeable (a role assignment and
+its permutations are one candidate), so the search prices every one and is exact over its space: no solver's
+relaxation, no heuristic pruning, and the runners-up come for free. Candidates with the same roles on axes of other
+sizes trace one step between them (on the mesh renamed by role; ``jshard.engine.shared_trace``) and are only
+planned again. Pipeline parallelism is not searched yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ..cost import COLLECTIVES, AxisCost, CostModel
+from ..darray import DArray
+from ..engine import REUSED, JaxprPlan, Traced, out_moves, own_collectives, shared_trace
+from ..jaxcompat import jc
+from ..placements import Placement, Replicate, Shard
+from ..planner import Plan as MovePlan
+from ..spec import Spec
+from .parallelize import kind_of, parallelize_shapes
+from .plan import Memory, Plan
+from .styles import ColwiseParallel, ContextParallel, FullyShard, ParallelStyle, RowwiseParallel, SequenceParallel
+from .training import _mirror, step_function
+
+__all__ = ["ROLES", "autoplan"]
+
+ROLES = ("dp", "fsdp", "tp", "sp", "cp")
+_TENSOR = ("tp", "sp")
+
+
+def autoplan(make: Callable[[], nnx.Module], mesh: Mesh, loss_fn: Callable, *batch: Any,
+             tx: optax.GradientTransformation | None = None, memory_budget: int | None = None,
+             styles: Sequence[str] | None = None, runners_up: int = 3) -> Plan:
+    """The fastest plan for training ``make()`` on ``mesh`` with ``loss_fn(model, *batch)`` whose predicted
+    memory per device fits ``memory_budget`` bytes (None: any).
+
+    ``make``: the model's constructor, as ``parallelize`` takes it (it is only traced: nothing is built);
+    ``batch``: arrays or ``jax.ShapeDtypeStruct``s at global shape; ``tx``: the optimizer (its state counts in
+    memory; default ``optax.adamw(1e-3)``); ``styles``: the roles an axis may take (default all of ``ROLES``).
+    Raises ``ValueError`` naming the budget and the smallest memory a plan reaches when none fits.
+
+    >>> import jax, jax.numpy as jnp, jshard
+    >>> from flax import nnx
+    >>> from jshard.parallel import autoplan
+    >>> mesh = jax.make_mesh((8,), ("x",))
+    >>> ids = jax.ShapeDtypeStruct((16, 8), jnp.float32)
+    >>> plan = autoplan(lambda: nnx.Linear(8, 8, rngs=nnx.Rngs(0)), mesh, lambda m, x: jnp.mean(m(x) ** 2), ids)
+    >>> plan.roles, plan.batch
+    ({'x': 'dp'}, ((S(0), R),))
+    """
+    start = time.perf_counter()
+    _check_args(make, mesh, loss_fn, batch, tx, memory_budget, styles)
+    tx = optax.adamw(1e-3) if tx is None else tx
+    styles = tuple(styles or ROLES)
+    batch = tuple(jax.ShapeDtypeStruct(np.shape(b), b.dtype) for b in batch)
+    model = nnx.eval_shape(make)
+    blocks = _repeated(model)
+    tensor = _tensor_sides(model, loss_fn, batch) if set(styles) & set(_TENSOR) else {}
+    machine = _machine(mesh)
+    priced, rejected, traces = [], [], {}
+    for roles in _candidates(mesh, styles, batch):
+        name = "+".join(f"{r}({a})" for a, r in roles.items())
+        try:
+            priced.append(_priced(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, machine, traces))
+        except Exception as e:  # a role the model cannot take on this mesh (a dim the axis does not divide, ...)
+            rejected.append((name, f"cannot run: {type(e).__name__}: {str(e).splitlines()[0][:160]}"))
+    if not priced:
+        raise ValueError(f"autoplan: no plan of {styles} runs {type(model).__name__} on mesh "
+                         f"{dict(mesh.shape)}: " + "; ".join(f"{n}: {w}" for n, w in rejected))
+    fits = [p for p in priced if memory_budget is None or p.memory.total <= memory_budget]
+    if not fits:
+        least = min(priced, key=lambda p: p.memory.total)
+        raise ValueError(f"autoplan: no plan fits memory_budget={memory_budget:,} bytes per device on mesh "
+                         f"{dict(mesh.shape)}; the smallest is {least.name} at {least.memory.total:,} bytes "
+                         f"predicted; raise the budget, add devices, or shrink the batch")
+    rejected += [(p.name, f"over the budget: {p.memory.total:,} bytes predicted") for p in priced if p not in fits]
+    fits.sort(key=lambda p: p.step_us)
+    best, rest = fits[0], tuple(fits[1:1 + runners_up])
+    return dataclasses.replace(best, runners_up=rest, rejected=tuple(rejected), budget=memory_budget,
+                    solve_s=time.perf_counter() - start)
+
+
+# ---------------------------------------------------------------------------------------------------
+# errors
+
+
+def _check_args(make, mesh, loss_fn, batch, tx, budget, styles) -> None:
+    if isinstance(make, nnx.Module) or not callable(make):
+        raise TypeError(f"autoplan: make must be the model's constructor, a function of no arguments (lambda: "
+                        f"GPT(cfg, rngs=nnx.Rngs(0))), got {kind_of(make)}; it is only traced, never built")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"autoplan: mesh must be a jax.sharding.Mesh (say jax.make_mesh((2, 4), ('dp', 'tp'))), "
+                        f"got {kind_of(mesh)}")
+    if not callable(loss_fn):
+        raise TypeError(f"autoplan: loss_fn must be a function loss_fn(model, *batch) -> scalar loss, got "
+                        f"{kind_of(loss_fn)}")
+    if not batch:
+        raise ValueError("autoplan: pass the batch loss_fn takes (arrays or jax.ShapeDtypeStructs at global shape), "
+                         "autoplan(make, mesh, loss_fn, ids, labels)")
+    for i, b in enumerate(batch):
+        if not (hasattr(b, "shape") and hasattr(b, "dtype")) or isinstance(b, DArray):
+            raise TypeError(f"autoplan: batch input {i} must be an array or a jax.ShapeDtypeStruct at global shape, "
+                            f"got {kind_of(b)}")
+    if tx is not None and not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+        raise TypeError(f"autoplan: tx must be an optax.GradientTransformation (say optax.adamw(1e-3)), got "
+                        f"{kind_of(tx)}")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, np.integer))
+                               or budget <= 0):
+        raise ValueError(f"autoplan: memory_budget is bytes per device, a positive int (say 2 * 2**30), got "
+                         f"{budget!r}")
+    if styles is not None:
+        bad = [s for s in styles if s not in ROLES]
+        if bad or not styles:
+            raise ValueError(f"autoplan: styles are the roles a mesh axis may take, some of {ROLES}; got "
+                             f"{tuple(styles)!r}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# the candidates
+
+
+def _candidates(mesh: Mesh, styles: tuple[str, ...], batch: tuple) -> list[dict[str, str]]:
+    """Every role assignment, one per class of assignments that differ only by a permutation of interchangeable
+    axes (same size); an axis of size 1 does nothing, whatever its role, and is left ``"dp"``."""
+    names, sizes = list(mesh.axis_names), dict(mesh.shape)
+    options = [("dp",) if sizes[a] == 1 else styles for a in names]
+    rows = min((b.shape[0] for b in batch if b.shape), default=1)
+    seen, out = set(), []
+    for combo in itertools.product(*options):
+        if sum(r in _TENSOR for r in combo) > 1 or combo.count("cp") > 1:
+            continue
+        data = math.prod(sizes[a] for a, r in zip(names, combo, strict=True) if r in ("dp", "fsdp"))
+        if rows % data:
+            continue
+        key = tuple(sorted((sizes[a], r) for a, r in zip(names, combo, strict=True)))
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(dict(zip(names, combo, strict=True)))
+    return out
+
+
+def _styles_of(roles: dict[str, str], tensor: dict) -> tuple[dict, tuple]:
+    """``(plan, default)`` for ``parallelize`` from a role assignment."""
+    default = tuple(FullyShard(a) for a, r in roles.items() if r == "fsdp")
+    plan: dict[str, tuple[ParallelStyle, ...]] = {}
+    for axis, role in roles.items():
+        if role == "cp":
+            plan[""] = (ContextParallel(axis),)
+        if role not in _TENSOR:
+            continue
+        seq = role == "sp"
+        for pattern, side in tensor.items():
+            if side == "col":
+                style = ColwiseParallel(axis)
+            elif side in ("row", "embed"):
+                style = RowwiseParallel(axis, output=Shard(1) if seq else Replicate())
+            else:  # a norm
+                style = SequenceParallel(axis) if seq else ParallelStyle(axis, output=Replicate())
+            plan[pattern] = (style,)
+    return plan, default
+
+
+def _batch_placements(mesh: Mesh, roles: dict[str, str], batch: tuple) -> tuple[tuple[Placement, ...], ...]:
+    """The batch split over the data axes; its sequence dim (1) laid out as context parallelism takes it."""
+    def placement(axis, b):
+        if roles[axis] in ("dp", "fsdp") and b.shape:
+            return Shard(0)
+        if roles[axis] == "cp" and len(b.shape) >= 2:
+            return ContextParallel(axis).sequence(b.shape[1], mesh.shape[axis])
+        return Replicate()
+
+    return tuple(tuple(placement(a, b) for a in mesh.axis_names) for b in batch)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the model's structure
+
+
+def _repeated(model: nnx.Module) -> tuple | None:
+    """The path of the model's list of identical blocks holding the most parameters (None: no such list)."""
+    best, most = None, 0
+    for path, node in nnx.iter_graph(model):
+        if not isinstance(node, (nnx.List, list)) or len(node) < 2:
+            continue
+        members = list(node)
+        if not all(isinstance(m, nnx.Module) for m in members):
+            continue
+        graphs = {nnx.graphdef(m) for m in members}
+        size = sum(math.prod(np.shape(v)) for v in jax.tree.leaves(nnx.state(node, nnx.Param)))
+        if len(graphs) == 1 and size > most:
+            best, most = tuple(path), size
+    return best
+
+
+def _cut(model: nnx.Module, path: tuple | None, depth: int) -> nnx.Module:
+    """A copy of the abstract ``model`` whose block list at ``path`` keeps its first ``depth`` blocks."""
+    graphdef, state = nnx.split(model)
+    copy = nnx.merge(graphdef, state, copy=True)
+    if path is not None:
+        parent = copy
+        for p in path[:-1]:
+            parent = parent[p] if isinstance(p, int) else getattr(parent, p)
+        blocks = getattr(parent, path[-1])
+        setattr(parent, path[-1], nnx.List(list(blocks)[:depth]))
+    return copy
+
+
+def _tensor_sides(model: nnx.Module, loss_fn: Callable, batch: tuple) -> dict[str, str]:
+    """Per module pattern (block indices as ``*``): ``"col"`` / ``"row"`` for linear layers, by the parity of the
+    longest chain of layers feeding them in the loss's dataflow; ``"embed"`` for embeddings looked up by the batch;
+    ``"norm"`` for norms."""
+    small = _cut(model, _repeated(model), 1)
+    graphdef, params, rest = nnx.split(small, nnx.Param, ...)
+    paths = [tuple(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    closed = jax.make_jaxpr(lambda p, *b: loss_fn(nnx.merge(graphdef, p, rest), *b))(params, *batch)
+    jaxpr = closed.jaxpr
+    n = len(paths)
+    source = {v: _path(paths[i]) for i, v in enumerate(jaxpr.invars[:n])}  # var -> parameter path it is
+    from_batch = set(jaxpr.invars[n:])
+    depth = {}
+    sides: dict[str, str] = {}
+    for eqn in jaxpr.eqns:
+        ins = [v for v in eqn.invars if not isinstance(v, jc.Literal)]
+        params_in = [source[v] for v in ins if v in source]
+        d = max((depth.get(v, 0) for v in ins), default=0)
+        if eqn.primitive.name in ("convert_element_type", "reshape", "transpose", "copy", "broadcast_in_dim") \
+                and len(params_in) == 1 and len(ins) == 1:
+            source[eqn.outvars[0]] = params_in[0]  # still the parameter, in another form
+            continue
+        kernels = [p for p in params_in if p[-1] == "kernel"]
+        if eqn.primitive.name == "dot_general" and kernels:
+            other = [v for v in ins if source.get(v) != kernels[0]]
+            d = 1 + max((depth.get(v, 0) for v in other), default=0)
+            sides[_pattern(kernels[0][:-1])] = "col" if d % 2 else "row"
+        elif any(p[-1] == "embedding" for p in params_in) and any(v in from_batch for v in ins):
+            sides[_pattern(next(p for p in params_in if p[-1] == "embedding")[:-1])] = "embed"
+        for o in eqn.outvars:
+            depth[o] = d
+            if any(v in from_batch for v in ins):
+                from_batch.add(o)
+    for path, node in nnx.iter_graph(small):
+        if isinstance(node, (nnx.LayerNorm, nnx.RMSNorm)) and path:
+            sides.setdefault(_pattern(tuple(path)), "norm")
+    return sides
+
+
+def _path(keys: tuple) -> tuple:
+    """A parameter's path in its state: its module's path and its name (the Variable's ``.value`` dropped)."""
+    path = tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in keys)
+    return path[:-1] if path and path[-1] == "value" else path
+
+
+def _pattern(path: tuple) -> str:
+    """A module's plan pattern, a block's index as ``*``."""
+    return "/".join("*" if isinstance(p, int) else str(p) for p in path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# pricing
+
+
+def _priced(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, machine: Machine, traces: dict) -> Plan:
+    """A candidate's Plan: its figures from the model cut to one and two blocks, extrapolated to its depth.
+
+    It is priced on the mesh with its axes renamed by role (``dp0``, ``fsdp0``, ``tp0``, ...) and put in the order of
+    those names (the devices transposed with them, so each axis holds the same devices): every candidate with the
+    same roles then traces the same step, which ``traces`` keeps, and only its plan is made again."""
+    names, canonical = _canonical(mesh, roles)
+    canonical_roles = {names[a]: r for a, r in roles.items()}
+    plan, default = _styles_of(canonical_roles, tensor)
+    placements = _batch_placements(canonical, canonical_roles, batch)
+    depth = len(list(_at(model, blocks))) if blocks is not None else 1
+    shape = tuple(sorted(canonical_roles.items())), tuple(canonical.shape[a] for a, r in canonical_roles.items()
+                                                          if r == "cp")  # ContextParallel traces by its axis's size
+    figures = []
+    for k in ((1, 2) if blocks is not None and depth > 1 else (depth,)):
+        figures.append(_figures(_cut(model, blocks, k), canonical, plan, default, loss_fn, batch, placements, tx,
+                                machine, traces, (shape, k, blocks)))
+    if len(figures) == 2:  # affine in the depth: f(1) + (depth - 1) * (f(2) - f(1))
+        one, two = figures
+        total = {k: one[k] + (depth - 1) * (two[k] - one[k]) for k in one}
+    else:
+        total = figures[0]
+    compute_us = total["flops"] / machine.flops_per_us + total["written"] / machine.bytes_per_us
+    memory = Memory(params=int(total["params"]), grads=int(total["grads"]), optimizer=int(total["optimizer"]),
+                    batch=int(total["batch"]), activations=int(max(total["temps"] - total["grads"], 0)))
+    plan, default = _styles_of(roles, tensor)
+    return Plan(roles=dict(roles), styles=plan, default=default, batch=_batch_placements(mesh, roles, batch),
+                step_us=compute_us + total["comm_us"], bytes_moved=int(total["bytes"]), memory=memory,
+                detail={"compute_us": compute_us, "comm_us": total["comm_us"], "flops": total["flops"]})
+
+
+def _canonical(mesh: Mesh, roles: dict[str, str]) -> tuple[dict[str, str], Mesh]:
+    """Each axis's name by role (the n-th data-parallel axis by size is ``dp{n}``), and ``mesh`` with those names,
+    its axes (and devices) in their order."""
+    order = sorted(mesh.axis_names, key=lambda a: (roles[a], mesh.shape[a], mesh.axis_names.index(a)))
+    names, seen = {}, {}
+    for a in order:
+        names[a] = f"{roles[a]}{seen.setdefault(roles[a], 0)}"
+        seen[roles[a]] += 1
+    devices = np.transpose(mesh.devices, [mesh.axis_names.index(a) for a in order])
+    return names, Mesh(devices, tuple(names[a] for a in order))
+
+
+def _at(model, path):
+    node = model
+    for p in path:
+        node = node[p] if isinstance(p, int) else getattr(node, p)
+    return node
+
+
+def _figures(model, mesh, plan, default, loss_fn, batch, placements, tx, machine: Machine, traces: dict,
+             key: Any) -> dict[str, float]:
+    """The step of ``model`` under the plan, traced and planned on specs alone: its figures per device. The step's
+    jaxpr is shared with the candidates of the same ``key`` whose parameters have the same placements (their
+    gradients are pinned there, so the placements are in the jaxpr)."""
+    parallelize_shapes(model, mesh, plan, default=default)
+    params = nnx.state(model, nnx.Param)
+    rest = nnx.split(model, nnx.Param, ...)[2]
+    opt = _optimizer_state(tx, params, mesh)
+    data = [_shaped(mesh, p, b.shape, b.dtype) for p, b in zip(placements, batch, strict=True)]
+    pinned = tuple(d.placements for d in _darrays(params))
+    with shared_trace(traces, (key, pinned)):
+        traced = step_function(model, tx, loss_fn).trace(params, opt, rest, *data)
+    param_bytes = sum(d.spec.local_bytes for d in _darrays(params))
+    comm, moved = _communication(traced, machine.links)
+    return {"params": param_bytes, "grads": param_bytes,
+            "optimizer": sum(d.spec.local_bytes for d in _darrays(opt)),
+            "batch": sum(d.spec.local_bytes for d in data), "temps": _peak(traced.plan),
+            "comm_us": comm, "bytes": moved, "flops": _flops(traced.plan), "written": _written(traced.plan)}
+
+
+def _shaped(mesh: Mesh, placements, shape, dtype) -> DArray:
+    return DArray(jax.ShapeDtypeStruct(shape, dtype), Spec.create(mesh, placements, shape, dtype))
+
+
+def _darrays(tree) -> list[DArray]:
+    return [d for d in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, DArray)) if isinstance(d, DArray)]
+
+
+def _optimizer_state(tx, params, mesh: Mesh):
+    """``tx.init(params)`` as spec-only DArrays, placed as ``init_optimizer`` places it."""
+    avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params,
+                         is_leaf=lambda x: isinstance(x, DArray))
+    shapes = jax.eval_shape(tx.init, avals)
+    pins = _mirror(tx.init, params)
+    return jax.tree.map(lambda p, s: _shaped(mesh, p, s.shape, s.dtype), pins, shapes,
+                        is_leaf=lambda x: type(x) is tuple and all(isinstance(q, Placement) for q in x))
+
+
+def _communication(traced: Traced, links: CostModel) -> tuple[float, int]:
+    """µs (priced by ``links``, the measured collectives) and bytes per device of every collective the plan
+    runs. The plan itself is made under the cost model in force, as ``TrainStep`` makes it."""
+    sizes = dict(traced.plan.equations[0].choice.outs[0].mesh.shape) if traced.plan.equations else {}
+    us, moved = 0.0, 0
+
+    def priced(move: MovePlan) -> None:
+        nonlocal us, moved
+        for step in move.collectives:
+            kind = step.emitted if step.emitted in COLLECTIVES else "permute"
+            group = math.prod(sizes[a] for a in step.axes)
+            us += step.count * links.collective(kind, tuple(step.axes), group, step.bytes)
+            moved += int(step.bytes) * step.count
+
+    def walk(plan: JaxprPlan, pins):
+        nonlocal us, moved
+        for eq in plan.equations:
+            for op in eq.operands:
+                if isinstance(op.move, MovePlan):
+                    priced(op.move)
+            for c in own_collectives(eq):
+                us += c.cost(links, sizes)
+                moved += int(c.nbytes) * c.count
+            for _, body, body_pins in eq.bodies:
+                walk(body, body_pins)
+        for m in out_moves(plan, pins):
+            if m is not None:
+                priced(m)
+
+    walk(traced.plan, traced.pins)
+    return us, moved
+
+
+def _flops(plan: JaxprPlan) -> float:
+    """FLOPs one device runs in the plan's matmuls, at their local shapes."""
+    total = 0.0
+    for eq in plan.equations:
+        if eq.eqn.primitive.name == "dot_general":
+            (lc, _), _ = eq.eqn.params["dimension_numbers"]
+            lhs = eq.choice.ins[0].local_block_shape
+            out = eq.choice.outs[0].local_block_shape
+            total += 2.0 * math.prod(out) * math.prod(lhs[d] for d in lc)
+        elif eq.eqn.primitive.name in _ATTENTION:  # q [b, t, h, d] against k [b, s, h, d]: two matmuls
+            b, t, h, d = eq.choice.ins[0].local_block_shape
+            # against every key: a ring or a gather brings the keys a device does not hold
+            total += _ATTENTION[eq.eqn.primitive.name] * 4.0 * b * t * h * d * eq.choice.ins[1].shape[1]
+        for _, body, _ in eq.bodies:
+            total += _flops(body)
+    return total
+
+
+# attention's FLOPs in units of its forward's two matmuls: the backward recomputes the scores and runs four
+_ATTENTION = {"jshard.attention_fwd": 1.0, "jshard.attention_bwd": 2.5}
+
+
+def _written(plan: JaxprPlan) -> float:
+    """Bytes one device writes into its own memory: every equation's outputs at their local shapes (what makes a
+    replicated elementwise computation cost its full size on every device)."""
+    return sum(spec.local_bytes for eq in plan.equations for spec in eq.choice.outs) + sum(
+        _written(body) for eq in plan.equations for _, body, _ in eq.bodies)
+
+
+def _peak(plan: JaxprPlan) -> int:
+    """The most bytes a device holds at once in the plan's intermediates (not its inputs): each value from its
+    equation to its last use, a moved operand's copy while its consumer runs."""
+    last, users = {}, {}
+    for i, eq in enumerate(plan.equations):
+        for op in eq.operands:
+            if not op.literal:
+                last[op.value] = i
+                users.setdefault(op.value, []).append(eq.eqn.primitive.name)
+    ends = {o: len(plan.equations) for o in plan.outs if not isinstance(o, jc.Literal)}
+    size, live, peak = {}, 0, 0
+    for i, eq in enumerate(plan.equations):
+        made = 0
+        fusible = eq.eqn.primitive.name in _FUSED
+        for o, spec in zip(eq.outs or (), eq.choice.outs, strict=False):
+            # XLA fuses elementwise chains: a value made by one and read only by others never exists
+            if o is not None and not (fusible and o not in ends and len(users.get(o, ())) == 1
+                                      and users[o][0] in _FUSED | _READS):
+                size[o] = spec.local_bytes
+                made += spec.local_bytes
+        moved = sum(t.local_bytes for op, t in zip(eq.operands, eq.choice.ins, strict=True)
+                    if isinstance(op.move, MovePlan) and op.move.steps and op.move is not REUSED)
+        live += made
+        peak = max(peak, live + moved)
+        for op in eq.operands:
+            if not op.literal and last.get(op.value) == i and op.value in size and op.value not in ends:
+                live -= size.pop(op.value)
+        for o in eq.outs or ():
+            if o is not None and o not in last and o not in ends:
+                live -= size.pop(o, 0)
+    return peak
+
+
+# primitives XLA fuses into their consumers, and those that read fused operands (reductions)
+_FUSED = frozenset({"add", "sub", "mul", "div", "neg", "exp", "log", "tanh", "logistic", "max", "min", "abs",
+                    "sqrt", "rsqrt", "square", "integer_pow", "pow", "select_n", "convert_element_type",
+                    "broadcast_in_dim", "reshape", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "sign",
+                    "erf", "exp2", "log1p", "expm1", "stop_gradient", "squeeze", "expand_dims", "iota"})
+_READS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin"})
+
+
+class Machine(NamedTuple):
+    """What the mesh's devices were measured to do, all of them at once: matmul FLOPs per µs and bytes of their own
+    memory written per µs, per device; and the cost of collectives among them (a ``CostModel`` fitted to an
+    all-reduce of a small and a large buffer)."""
+
+    flops_per_us: float
+    bytes_per_us: float
+    links: CostModel
+
+
+@functools.cache
+def _measured(devices: tuple) -> Machine:
+    mesh = Mesh(np.array(devices), ("d",))
+    n = len(devices)
+    split, whole = NamedSharding(mesh, PartitionSpec("d")), NamedSharding(mesh, PartitionSpec())
+    rows, k = 256, 512
+    a = jax.device_put(jnp.ones((n * rows, k), jnp.float32), split)
+    b = jax.device_put(jnp.ones((k, k), jnp.float32), whole)
+    matmul = _seconds(jax.jit(lambda a, b: (a @ b) @ b), a, b)
+    big = jax.device_put(jnp.ones((n * 2**20,), jnp.float32), split)
+    write = _seconds(jax.jit(lambda x: x * 2.0 + 1.0), big)
+    links = CostModel()
+    if n > 1:
+        def summed(size):
+            x = jax.device_put(jnp.ones((n * size,), jnp.float32), split)
+            f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "d"), mesh=mesh, in_specs=PartitionSpec("d"),
+                                      out_specs=PartitionSpec("d")))
+            return _seconds(f, x) * 1e6
+        small, large = summed(256), summed(2**20)
+        hops = 2 * (n - 1)
+        volume = 4 * 2**20 * 2 * (n - 1) / n
+        links = CostModel(launch_us=0.0, default=AxisCost(latency_us=small / hops,
+                                                          bandwidth_gbps=volume / max(large - small, 1e-3) / 1e3))
+    return Machine(2 * 2 * rows * k * k / (matmul * 1e6), 2 * 4 * 2**20 / (write * 1e6), links)
+
+
+def _seconds(f: Callable, *args) -> float:
+    """The fastest of five timed calls of ``f`` (compiled and run once first)."""
+    jax.block_until_ready(f(*args))
+    best = math.inf
+    for _ in range(5):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _machine(mesh: Mesh) -> Machine:
+    """The measured ``Machine`` of ``mesh``'s devices (once per process and set of devices)."""
+    return _measured(tuple(mesh.devices.flat))

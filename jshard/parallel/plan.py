@@ -1,0 +1,98 @@
+"""``Plan``: a parallel plan found by ``autoplan``, with what it is predicted to cost.
+
+``parallelize(make, mesh, plan)`` takes one as it takes a dict of styles (its ``.styles`` and ``.default``);
+the batch goes in with ``.batch``'s placements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from ..placements import Placement, format_placements
+from .styles import ParallelStyle
+
+__all__ = ["Memory", "Plan"]
+
+
+class Memory(NamedTuple):
+    """Predicted bytes per device of a training step: the parameters, their gradients, the optimizer state, the
+    batch, and the activations and other temporaries at their peak. ``total`` is what the compiled step's
+    ``memory_analysis`` reports as arguments plus temporaries."""
+
+    params: int
+    grads: int
+    optimizer: int
+    batch: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.batch + self.activations
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A plan for ``parallelize`` and the batch, found by ``autoplan``.
+
+    ``styles`` / ``default``: what ``parallelize(make, mesh, styles, default=default)`` takes (or pass the Plan
+    itself); ``batch``: the placements of each batch input (``jshard.distribute(ids, mesh, plan.batch[0])``);
+    ``roles``: what each mesh axis does (``{"dp": "fsdp", "tp": "tp"}``); ``step_us``: the predicted step time
+    (communication by the cost model, computation by the measured rate of the devices); ``bytes_moved``: bytes
+    a device sends in collectives per step; ``memory``: predicted bytes per device; ``runners_up``: the next best
+    plans that fit, best first; ``rejected``: the plans that did not fit or could not run, with why;
+    ``solve_s``: seconds the search took.
+    """
+
+    roles: dict[str, str]
+    styles: dict[str, tuple[ParallelStyle, ...]]
+    default: tuple[ParallelStyle, ...]
+    batch: tuple[tuple[Placement, ...], ...]
+    step_us: float
+    bytes_moved: int
+    memory: Memory
+    runners_up: tuple[Plan, ...] = ()
+    rejected: tuple[tuple[str, str], ...] = ()
+    budget: int | None = None
+    solve_s: float = 0.0
+    detail: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def name(self) -> str:
+        """The roles as one word per axis, ``"fsdp(dp)+tp(tp)"``."""
+        return "+".join(f"{role}({axis})" for axis, role in self.roles.items())
+
+    def explain(self) -> str:
+        """The chosen style of every module, the predicted figures, and the runners-up with theirs."""
+        budget = "no memory budget" if self.budget is None else f"memory budget {_size(self.budget)} per device"
+        lines = [f"autoplan: {self.name}  ({budget}; searched in {self.solve_s:.2f} s)",
+                 f"  predicted step {self.step_us / 1e3:.2f} ms ({self.detail.get('compute_us', 0) / 1e3:.2f} ms "
+                 f"computing, {self.detail.get('comm_us', 0) / 1e3:.2f} ms communicating), "
+                 f"{_size(self.bytes_moved)} moved per device",
+                 f"  predicted memory {_size(self.memory.total)} per device: parameters {_size(self.memory.params)}, "
+                 f"gradients {_size(self.memory.grads)}, optimizer {_size(self.memory.optimizer)}, batch "
+                 f"{_size(self.memory.batch)}, activations and temporaries {_size(self.memory.activations)}",
+                 "  batch: " + ", ".join(format_placements(p) for p in self.batch),
+                 "  default: " + (", ".join(map(_style, self.default)) or "none")]
+        for pattern, styles in self.styles.items():
+            lines.append(f"  {pattern or '(the model)'}: {', '.join(map(_style, styles))}")
+        if self.runners_up:
+            lines.append("  runners-up:")
+            for p in self.runners_up:
+                lines.append(f"    {p.name:<28} step {p.step_us / 1e3:8.2f} ms  moved {_size(p.bytes_moved):>9}  "
+                             f"memory {_size(p.memory.total):>9}")
+        if self.rejected:
+            lines.append("  left out:")
+            lines.extend(f"    {name:<28} {why}" for name, why in self.rejected)
+        return "\n".join(lines)
+
+
+def _style(s: ParallelStyle) -> str:
+    return f"{type(s).__name__}({s.axis!r})"
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
