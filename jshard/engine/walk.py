@@ -79,6 +79,7 @@ class EquationPlan:
     outs: list | None = None  # per output: a fresh Value (None: dropped)
     bodies: tuple = ()  # control flow: (label, JaxprPlan, pins) per body, for explain
     site: Any = None  # the source of the innermost call with a user frame (a library jit's body has none)
+    scope: str = ""  # the name stacks (jax.named_scope) of the calls it was inlined from and its own, joined by "/"
     consts: list | None = None  # per input: its value when a literal (for re-selection)
 
     @property
@@ -199,9 +200,9 @@ def move_cost(src: list[Spec], dst: list[Spec]) -> float:
 # internals
 
 
-def _walk(jaxpr: jc.Jaxpr, in_vars: list, env: dict, equations: list, mesh: Mesh, site=None) -> list:
+def _walk(jaxpr: jc.Jaxpr, in_vars: list, env: dict, equations: list, mesh: Mesh, site=None, scope: str = "") -> list:
     """Choose strategies through ``jaxpr`` whose invars are bound to ``in_vars`` (outer values or literals);
-    ``site`` is the source info of the call being inlined."""
+    ``site`` is the source info of the call being inlined, ``scope`` the name stacks of the calls around it."""
     alias: dict = dict(zip(jaxpr.invars, in_vars, strict=True))
 
     def outer(v):
@@ -214,7 +215,8 @@ def _walk(jaxpr: jc.Jaxpr, in_vars: list, env: dict, equations: list, mesh: Mesh
             inner_jaxpr, consts = open_jaxpr(inner)
             const_vars = [jc.Literal(c, jax.typeof(c)) for c in consts]
             here = eqn.source_info if source_info_util.summarize(eqn.source_info) else site
-            outs = _walk_closed(inner_jaxpr, const_vars, [outer(v) for v in eqn.invars], env, equations, mesh, here)
+            outs = _walk_closed(inner_jaxpr, const_vars, [outer(v) for v in eqn.invars], env, equations, mesh, here,
+                                f"{scope}/{eqn.source_info.name_stack}")
             for o, r in zip(eqn.outvars, outs, strict=True):
                 if not isinstance(o, jc.DropVar):
                     alias[o] = r
@@ -243,7 +245,8 @@ def _walk(jaxpr: jc.Jaxpr, in_vars: list, env: dict, equations: list, mesh: Mesh
             if not has_rule(eqn.primitive):  # the warning names the user's line
                 rule_for(eqn.primitive, EquationPlan(eqn, [], None, site=site).source)
             choice = select(eqn.primitive, eqn.params, specs, [o.aval for o in eqn.outvars], consts=consts, mesh=mesh)
-        equations.append(EquationPlan(eqn, operands, choice, kernel, bodies=bodies, site=site, consts=consts))
+        equations.append(EquationPlan(eqn, operands, choice, kernel, bodies=bodies, site=site, consts=consts,
+                                      scope=f"{scope}/{eqn.source_info.name_stack}"))
         values = []
         for o, s in zip(eqn.outvars, choice.outs, strict=True):
             if isinstance(o, jc.DropVar):
@@ -256,9 +259,9 @@ def _walk(jaxpr: jc.Jaxpr, in_vars: list, env: dict, equations: list, mesh: Mesh
     return [outer(v) for v in jaxpr.outvars]
 
 
-def _walk_closed(jaxpr, const_vars, args, env, equations, mesh, site=None):
+def _walk_closed(jaxpr, const_vars, args, env, equations, mesh, site=None, scope=""):
     return _walk(jaxpr.replace(invars=list(jaxpr.constvars) + list(jaxpr.invars), constvars=[]),
-                 list(const_vars) + list(args), env, equations, mesh, site)
+                 list(const_vars) + list(args), env, equations, mesh, site, scope)
 
 
 def _reseat(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh, pinned: list) -> None:

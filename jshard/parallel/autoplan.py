@@ -12,9 +12,11 @@ pin their output replicated (``"tp"``) or run sequence parallel (``"sp"``).
 
 Each candidate is priced by jshard itself: the model's step (forward, gradients, optimizer update) is traced on
 parameters that hold only their specs and planned by the engine, as ``TrainStep`` would run it, on the model cut
-to one block and to two. Every figure of a model whose blocks share one plan is affine in the number of blocks,
-so the two plans give it exactly for any depth: the search costs the same for 2 blocks or 32, and nothing is
-ever built. The figures are
+to two blocks, the second called inside a ``jax.named_scope`` of its own. Blocks share one plan, so every block
+after the first costs what the second does: the equations of its scope (its forward and backward passes) and those
+feeding only its own parameters and optimizer state (its gradients' moves, its update), counted once for each
+further block, and its activations and gradients held once more for each in the memory walk. The search costs the
+same for 2 blocks or 32, and nothing is ever built. The figures are
 
 - communication: the cost model's µs of every collective the plan runs;
 - computation: the FLOPs each device runs (its matmuls at its local shapes), at the rate the mesh's devices are
@@ -48,7 +50,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..cost import COLLECTIVES, AxisCost, CostModel
 from ..darray import DArray
-from ..engine import REUSED, JaxprPlan, Traced, out_moves, own_collectives, shared_trace
+from ..engine import JaxprPlan, out_moves, own_collectives, shared_trace
 from ..jaxcompat import jc
 from ..placements import Placement, Replicate, Shard
 from ..planner import Plan as MovePlan
@@ -230,16 +232,30 @@ def _repeated(model: nnx.Module) -> tuple | None:
 
 
 def _cut(model: nnx.Module, path: tuple | None, depth: int) -> nnx.Module:
-    """A copy of the abstract ``model`` whose block list at ``path`` keeps its first ``depth`` blocks."""
+    """A copy of the abstract ``model`` whose block list at ``path`` keeps its first ``depth`` blocks, the last
+    called inside ``jax.named_scope(_BLOCK)`` (so the equations of its forward and backward passes say so)."""
     graphdef, state = nnx.split(model)
     copy = nnx.merge(graphdef, state, copy=True)
     if path is not None:
-        parent = copy
-        for p in path[:-1]:
-            parent = parent[p] if isinstance(p, int) else getattr(parent, p)
-        blocks = getattr(parent, path[-1])
-        setattr(parent, path[-1], nnx.List(list(blocks)[:depth]))
+        parent = _at(copy, path[:-1])
+        kept = list(getattr(parent, path[-1]))[:depth]
+        kept[-1].__class__ = _scoped(type(kept[-1]))
+        setattr(parent, path[-1], nnx.List(kept))
     return copy
+
+
+_BLOCK = "jshard_autoplan_block"
+
+
+@functools.cache
+def _scoped(cls: type) -> type:
+    def __call__(self, *args, **kwargs):
+        with jax.named_scope(_BLOCK):
+            return super(scoped, self).__call__(*args, **kwargs)
+
+    scoped = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
+                                         "__qualname__": cls.__qualname__})
+    return scoped
 
 
 def _tensor_sides(model: nnx.Module, loss_fn: Callable, batch: tuple) -> dict[str, str]:
@@ -297,7 +313,8 @@ def _pattern(path: tuple) -> str:
 
 
 def _priced(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, machine: Machine, traces: dict) -> Plan:
-    """A candidate's Plan: its figures from the model cut to one and two blocks, extrapolated to its depth.
+    """A candidate's Plan: its figures from the model cut to two blocks, the second block's share (a block between
+    blocks, as all but the first are) counted once more for each further block of the model.
 
     It is priced on the mesh with its axes renamed by role (``dp0``, ``fsdp0``, ``tp0``, ...) and put in the order of
     those names (the devices transposed with them, so each axis holds the same devices): every candidate with the
@@ -309,18 +326,13 @@ def _priced(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, machine: Mac
     depth = len(list(_at(model, blocks))) if blocks is not None else 1
     shape = tuple(sorted(canonical_roles.items())), tuple(canonical.shape[a] for a, r in canonical_roles.items()
                                                           if r == "cp")  # ContextParallel traces by its axis's size
-    figures = []
-    for k in ((1, 2) if blocks is not None and depth > 1 else (depth,)):
-        figures.append(_figures(_cut(model, blocks, k), canonical, plan, default, loss_fn, batch, placements, tx,
-                                machine, traces, (shape, k, blocks)))
-    if len(figures) == 2:  # affine in the depth: f(1) + (depth - 1) * (f(2) - f(1))
-        one, two = figures
-        total = {k: one[k] + (depth - 1) * (two[k] - one[k]) for k in one}
-    else:
-        total = figures[0]
+    cut = min(depth, 2)
+    total, block = _figures(_cut(model, blocks, cut), blocks, cut, depth - cut, canonical, plan, default, loss_fn,
+                            batch, placements, tx, machine, traces, shape)
+    total = {k: v + (depth - cut) * block.get(k, 0.0) for k, v in total.items()}
     compute_us = total["flops"] / machine.flops_per_us + total["written"] / machine.bytes_per_us
-    memory = Memory(params=int(total["params"]), grads=int(total["grads"]), optimizer=int(total["optimizer"]),
-                    batch=int(total["batch"]), activations=int(max(total["temps"] - total["grads"], 0)))
+    memory = Memory(params=int(total["params"]), grads=int(total["params"]), optimizer=int(total["optimizer"]),
+                    batch=int(total["batch"]), activations=int(max(total["temps"] - total["params"], 0)))
     plan, default = _styles_of(roles, tensor)
     return Plan(roles=dict(roles), styles=plan, default=default, batch=_batch_placements(mesh, roles, batch),
                 step_us=compute_us + total["comm_us"], bytes_moved=int(total["bytes"]), memory=memory,
@@ -346,25 +358,171 @@ def _at(model, path):
     return node
 
 
-def _figures(model, mesh, plan, default, loss_fn, batch, placements, tx, machine: Machine, traces: dict,
-             key: Any) -> dict[str, float]:
-    """The step of ``model`` under the plan, traced and planned on specs alone: its figures per device. The step's
-    jaxpr is shared with the candidates of the same ``key`` whose parameters have the same placements (their
-    gradients are pinned there, so the placements are in the jaxpr)."""
+def _figures(model, blocks, cut, more, mesh, plan, default, loss_fn, batch, placements, tx, machine: Machine,
+             traces: dict, key: Any) -> tuple[dict[str, float], dict[str, float]]:
+    """The step of ``model`` (its block list at ``blocks`` cut to ``cut`` blocks) under the plan, traced and planned
+    on specs alone: its figures per device, and the share of them that its last block makes (its forward and
+    backward passes, the moves and updates of its parameters and optimizer state), to be counted ``more`` times
+    more; its peak memory is found with ``more`` blocks more (``_peak``). The step's jaxpr is shared
+    with the candidates of the same ``key`` whose parameters have the same placements (their gradients are pinned
+    there, so the placements are in the jaxpr)."""
     parallelize_shapes(model, mesh, plan, default=default)
     params = nnx.state(model, nnx.Param)
     rest = nnx.split(model, nnx.Param, ...)[2]
     opt = _optimizer_state(tx, params, mesh)
     data = [_shaped(mesh, p, b.shape, b.dtype) for p, b in zip(placements, batch, strict=True)]
     pinned = tuple(d.placements for d in _darrays(params))
-    with shared_trace(traces, (key, pinned)):
+    with shared_trace(traces, (key, pinned, blocks, cut)):
         traced = step_function(model, tx, loss_fn).trace(params, opt, rest, *data)
-    param_bytes = sum(d.spec.local_bytes for d in _darrays(params))
-    comm, moved = _communication(traced, machine.links)
-    return {"params": param_bytes, "grads": param_bytes,
-            "optimizer": sum(d.spec.local_bytes for d in _darrays(opt)),
-            "batch": sum(d.spec.local_bytes for d in data), "temps": _peak(traced.plan),
-            "comm_us": comm, "bytes": moved, "flops": _flops(traced.plan), "written": _written(traced.plan)}
+    inside = (lambda path: _within(path, (*blocks, cut - 1))) if blocks is not None else (lambda path: False)
+    total = {"batch": sum(d.spec.local_bytes for d in data)}
+    block = {}
+    for name, tree in (("params", params), ("optimizer", opt)):
+        leaves = [(_path(k), d) for k, d in jax.tree_util.tree_flatten_with_path(
+            tree, is_leaf=lambda x: isinstance(x, DArray))[0] if isinstance(d, DArray)]
+        total[name] = sum(d.spec.local_bytes for _, d in leaves)
+        block[name] = sum(d.spec.local_bytes for p, d in leaves if inside(p))
+    plan_ = traced.plan
+    outputs = jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(traced.out_tree, range(len(plan_.outs))))[0]
+    own = {j for path, j in outputs if inside(_path(path))}  # the block's parameters and optimizer state, updated
+    ours = _block_equations(plan_, own)
+    sizes = dict(mesh.shape)
+    for eq in plan_.equations:
+        figures = _equation_figures(eq, machine.links, sizes)
+        for k, v in figures.items():
+            total[k] = total.get(k, 0.0) + v
+            if id(eq) in ours:
+                block[k] = block.get(k, 0.0) + v
+    for j, move in enumerate(out_moves(plan_, traced.pins)):
+        if move is not None:
+            for k, v in _move_figures(move, machine.links, sizes).items():
+                total[k] += v
+                if j in own:
+                    block[k] = block.get(k, 0.0) + v
+    total["temps"] = _peak(plan_, ours, more)
+    return total, block
+
+
+def _within(path: tuple, prefix: tuple) -> bool:
+    """Whether ``prefix`` is a run of consecutive keys of ``path`` (a block's parameter inside the optimizer's
+    state, under ``mu`` or ``nu``)."""
+    n = len(prefix)
+    return any(path[i:i + n] == prefix for i in range(len(path) - n + 1))
+
+
+def _block_equations(plan: JaxprPlan, own: set[int]) -> dict[int, str]:
+    """The equations the block makes, by id: ``"own"`` for those feeding only its own outputs (its gradients, their
+    moves to their parameters, its optimizer update), else ``"forward"`` / ``"backward"`` for those inside its
+    scope, by pass."""
+    feeds: dict = {}
+    for j, o in enumerate(plan.outs):
+        if not isinstance(o, jc.Literal):
+            feeds.setdefault(o, set()).add(j)
+    ours = {}
+    for eq in reversed(plan.equations):
+        fed = set().union(*(feeds.get(o, set()) for o in eq.outs or () if o is not None))
+        if fed and fed <= own:
+            ours[id(eq)] = "own"
+        elif _BLOCK in eq.scope:
+            ours[id(eq)] = "backward" if _backward(eq) else "forward"
+        for op in eq.operands:
+            if not op.literal:
+                feeds.setdefault(op.value, set()).update(fed)
+    return ours
+
+
+def _equation_figures(eq, links: CostModel, sizes: dict) -> dict[str, float]:
+    """One equation's figures per device: its operands' moves and its own collectives (µs by ``links``, bytes),
+    its matmul FLOPs and the bytes it writes, its loop or branch bodies' included."""
+    out = {"comm_us": 0.0, "bytes": 0.0, "flops": _flops(eq), "written": float(sum(s.local_bytes
+                                                                                  for s in eq.choice.outs))}
+    for op in eq.operands:
+        if isinstance(op.move, MovePlan):
+            for k, v in _move_figures(op.move, links, sizes).items():
+                out[k] += v
+    for c in own_collectives(eq):
+        out["comm_us"] += c.cost(links, sizes)
+        out["bytes"] += c.nbytes * c.count
+    for _, body, body_pins in eq.bodies:
+        for inner in body.equations:
+            for k, v in _equation_figures(inner, links, sizes).items():
+                out[k] += v
+        for move in out_moves(body, body_pins):
+            if move is not None:
+                for k, v in _move_figures(move, links, sizes).items():
+                    out[k] += v
+    return out
+
+
+def _move_figures(move: MovePlan, links: CostModel, sizes: dict) -> dict[str, float]:
+    """A redistribution's collectives: µs (priced by ``links``, the measured collectives; the plan was made under
+    the cost model in force, as ``TrainStep`` makes it) and bytes per device."""
+    us = moved = 0.0
+    for step in move.collectives:
+        kind = step.emitted if step.emitted in COLLECTIVES else "permute"
+        us += step.count * links.collective(kind, tuple(step.axes), math.prod(sizes[a] for a in step.axes),
+                                            step.bytes)
+        moved += step.bytes * step.count
+    return {"comm_us": us, "bytes": moved}
+
+
+def _flops(eq) -> float:
+    """FLOPs one device runs in an equation's matmuls (attention's included), at their local shapes."""
+    name = eq.eqn.primitive.name
+    if name == "dot_general":
+        (lc, _), _ = eq.eqn.params["dimension_numbers"]
+        lhs = eq.choice.ins[0].local_block_shape
+        return 2.0 * math.prod(eq.choice.outs[0].local_block_shape) * math.prod(lhs[d] for d in lc)
+    if name in _ATTENTION:  # q [b, t, h, d] against k [b, s, h, d]: two matmuls
+        b, t, h, d = eq.choice.ins[0].local_block_shape
+        # against every key: a ring or a gather brings the keys a device does not hold
+        return _ATTENTION[name] * 4.0 * b * t * h * d * eq.choice.ins[1].shape[1]
+    return 0.0
+
+
+# attention's FLOPs in units of its forward's two matmuls: the backward recomputes the scores and runs four
+_ATTENTION = {"jshard.attention_fwd": 1.0, "jshard.attention_bwd": 2.5}
+
+
+def _backward(eq) -> bool:
+    return "transpose(" in eq.scope
+
+
+def _peak(plan: JaxprPlan, ours: dict[int, str], more: int) -> int:
+    """The most bytes a device holds at once in the intermediates (not the inputs) of the plan of a model cut short,
+    for the model with ``more`` blocks like its last: each value from its equation to its last use, a moved
+    operand's copy while its consumer runs. The values every block holds at once are held ``more`` times more: the
+    block's gradients and updates (``ours``' ``"own"``) and its forward pass's values that its backward pass reads
+    (its activations)."""
+    last, users = {}, {}
+    for i, eq in enumerate(plan.equations):
+        for op in eq.operands:
+            if not op.literal:
+                last[op.value] = i
+                users.setdefault(op.value, []).append(eq)
+    ends = {o for o in plan.outs if not isinstance(o, jc.Literal)}
+    size, live, peak = {}, 0, 0
+    for i, eq in enumerate(plan.equations):
+        fusible, kind = eq.eqn.primitive.name in _FUSED, ours.get(id(eq))
+        for o, spec in zip(eq.outs or (), eq.choice.outs, strict=True):
+            readers = users.get(o, ())
+            # XLA fuses elementwise chains: a value made by one and read only by another never exists
+            if o is not None and not (fusible and o not in ends and len(readers) == 1
+                                      and readers[0].eqn.primitive.name in _FUSED | _READS):
+                kept = kind == "own" or (kind == "forward" and any(map(_backward, readers)))
+                size[o] = spec.local_bytes * (1 + more if kept else 1)
+                live += size[o]
+        moved = (1 + more if kind == "own" else 1) * sum(
+            t.local_bytes for op, t in zip(eq.operands, eq.choice.ins, strict=True)
+            if isinstance(op.move, MovePlan) and op.move.steps)
+        peak = max(peak, live + moved)
+        for op in eq.operands:
+            if not op.literal and last.get(op.value) == i and op.value in size and op.value not in ends:
+                live -= size.pop(op.value)
+        for o in eq.outs or ():
+            if o is not None and o not in last and o not in ends:
+                live -= size.pop(o, 0)
+    return peak
 
 
 def _shaped(mesh: Mesh, placements, shape, dtype) -> DArray:
@@ -383,101 +541,6 @@ def _optimizer_state(tx, params, mesh: Mesh):
     pins = _mirror(tx.init, params)
     return jax.tree.map(lambda p, s: _shaped(mesh, p, s.shape, s.dtype), pins, shapes,
                         is_leaf=lambda x: type(x) is tuple and all(isinstance(q, Placement) for q in x))
-
-
-def _communication(traced: Traced, links: CostModel) -> tuple[float, int]:
-    """µs (priced by ``links``, the measured collectives) and bytes per device of every collective the plan
-    runs. The plan itself is made under the cost model in force, as ``TrainStep`` makes it."""
-    sizes = dict(traced.plan.equations[0].choice.outs[0].mesh.shape) if traced.plan.equations else {}
-    us, moved = 0.0, 0
-
-    def priced(move: MovePlan) -> None:
-        nonlocal us, moved
-        for step in move.collectives:
-            kind = step.emitted if step.emitted in COLLECTIVES else "permute"
-            group = math.prod(sizes[a] for a in step.axes)
-            us += step.count * links.collective(kind, tuple(step.axes), group, step.bytes)
-            moved += int(step.bytes) * step.count
-
-    def walk(plan: JaxprPlan, pins):
-        nonlocal us, moved
-        for eq in plan.equations:
-            for op in eq.operands:
-                if isinstance(op.move, MovePlan):
-                    priced(op.move)
-            for c in own_collectives(eq):
-                us += c.cost(links, sizes)
-                moved += int(c.nbytes) * c.count
-            for _, body, body_pins in eq.bodies:
-                walk(body, body_pins)
-        for m in out_moves(plan, pins):
-            if m is not None:
-                priced(m)
-
-    walk(traced.plan, traced.pins)
-    return us, moved
-
-
-def _flops(plan: JaxprPlan) -> float:
-    """FLOPs one device runs in the plan's matmuls, at their local shapes."""
-    total = 0.0
-    for eq in plan.equations:
-        if eq.eqn.primitive.name == "dot_general":
-            (lc, _), _ = eq.eqn.params["dimension_numbers"]
-            lhs = eq.choice.ins[0].local_block_shape
-            out = eq.choice.outs[0].local_block_shape
-            total += 2.0 * math.prod(out) * math.prod(lhs[d] for d in lc)
-        elif eq.eqn.primitive.name in _ATTENTION:  # q [b, t, h, d] against k [b, s, h, d]: two matmuls
-            b, t, h, d = eq.choice.ins[0].local_block_shape
-            # against every key: a ring or a gather brings the keys a device does not hold
-            total += _ATTENTION[eq.eqn.primitive.name] * 4.0 * b * t * h * d * eq.choice.ins[1].shape[1]
-        for _, body, _ in eq.bodies:
-            total += _flops(body)
-    return total
-
-
-# attention's FLOPs in units of its forward's two matmuls: the backward recomputes the scores and runs four
-_ATTENTION = {"jshard.attention_fwd": 1.0, "jshard.attention_bwd": 2.5}
-
-
-def _written(plan: JaxprPlan) -> float:
-    """Bytes one device writes into its own memory: every equation's outputs at their local shapes (what makes a
-    replicated elementwise computation cost its full size on every device)."""
-    return sum(spec.local_bytes for eq in plan.equations for spec in eq.choice.outs) + sum(
-        _written(body) for eq in plan.equations for _, body, _ in eq.bodies)
-
-
-def _peak(plan: JaxprPlan) -> int:
-    """The most bytes a device holds at once in the plan's intermediates (not its inputs): each value from its
-    equation to its last use, a moved operand's copy while its consumer runs."""
-    last, users = {}, {}
-    for i, eq in enumerate(plan.equations):
-        for op in eq.operands:
-            if not op.literal:
-                last[op.value] = i
-                users.setdefault(op.value, []).append(eq.eqn.primitive.name)
-    ends = {o: len(plan.equations) for o in plan.outs if not isinstance(o, jc.Literal)}
-    size, live, peak = {}, 0, 0
-    for i, eq in enumerate(plan.equations):
-        made = 0
-        fusible = eq.eqn.primitive.name in _FUSED
-        for o, spec in zip(eq.outs or (), eq.choice.outs, strict=False):
-            # XLA fuses elementwise chains: a value made by one and read only by others never exists
-            if o is not None and not (fusible and o not in ends and len(users.get(o, ())) == 1
-                                      and users[o][0] in _FUSED | _READS):
-                size[o] = spec.local_bytes
-                made += spec.local_bytes
-        moved = sum(t.local_bytes for op, t in zip(eq.operands, eq.choice.ins, strict=True)
-                    if isinstance(op.move, MovePlan) and op.move.steps and op.move is not REUSED)
-        live += made
-        peak = max(peak, live + moved)
-        for op in eq.operands:
-            if not op.literal and last.get(op.value) == i and op.value in size and op.value not in ends:
-                live -= size.pop(op.value)
-        for o in eq.outs or ():
-            if o is not None and o not in last and o not in ends:
-                live -= size.pop(o, 0)
-    return peak
 
 
 # primitives XLA fuses into their consumers, and those that read fused operands (reductions)
