@@ -31,10 +31,18 @@ it); the microbatches cut the batch of 8 rows. With ``--processes`` the first me
 ``pp`` first (``--mesh pp=2,dp=4``) each process holds its own stages. A pipelined run's checkpoint resumes under any
 other pipeline (mesh, schedule, styles beside it) with the same ``--layers``.
 
-    python -m jshard.demo [--mesh dp=2,tp=4] [--style tp|sp|fsdp|dp|cp|dp+cp|cp+tp|pp+dp+tp|...]
+With ``--style auto`` the plan is ``jshard.parallel.autoplan``'s: every assignment of its roles (data, fully sharded
+data, tensor, sequence, context parallelism: ``jshard.parallel.autoplan.ROLES``) to the mesh axes is priced on the
+demo's own training step, and the fastest whose predicted memory per device fits ``--memory-budget`` (when given)
+is trained, its table (``Plan.explain``) printed first; the batch is placed as the plan says. The default mesh is
+``a=2,b=4`` (any ``--mesh`` works: the plan gives the axes their roles, whatever their names). When no plan fits the
+budget, the demo exits with autoplan's message. The checkpoints hold values, not plans: a run resumes under
+``--style auto`` from any other's, and the other way round.
+
+    python -m jshard.demo [--mesh dp=2,tp=4] [--style tp|sp|fsdp|dp|cp|dp+cp|cp+tp|pp+dp+tp|auto|...]
                           [--method auto|ring|...] [--microbatches 4] [--schedule gpipe|1f1b|interleaved]
-                          [--virtual-stages 1] [--steps 20] [--layers 2] [--processes 2] [--checkpoint DIR]
-                          [--save-every 5]
+                          [--virtual-stages 1] [--memory-budget 2GB] [--steps 20] [--layers 2] [--processes 2]
+                          [--checkpoint DIR] [--save-every 5]
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 import sys
 import tempfile
 import time
@@ -52,6 +61,9 @@ from jshard.parallel.schedule import SCHEDULES
 # rows a step trains on, whatever the mesh and style: a run resumed from a checkpoint under another one goes on with
 # the same batches (and the one-device run catches up on them)
 BATCH = 8
+# --memory-budget's units: SI (powers of 1000) and binary (powers of 1024), the byte itself for a plain number
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 def _ensure_devices(n: int = 8) -> None:
@@ -84,7 +96,11 @@ def default_mesh(style: str) -> str:
     ('dp=2,tp=4', 'cp=8', 'dp=2,cp=4', 'dp=2,cp=2,tp=2')
     >>> default_mesh("pp+dp+tp"), default_mesh("pp+tp"), default_mesh("pp+fsdp"), default_mesh("pp")
     ('pp=2,dp=2,tp=2', 'pp=2,tp=4', 'pp=2,dp=4', 'pp=8')
+    >>> default_mesh("auto")  # the plan gives the axes their roles: their names say none
+    'a=2,b=4'
     """
+    if style == "auto":
+        return "a=2,b=4"
     parts = set(style.split("+"))
     if "pp" in parts:
         others = [name for name, kinds in (("dp", {"dp", "fsdp"}), ("cp", {"cp"}), ("tp", {"tp", "sp"}))
@@ -111,7 +127,11 @@ def roles(style: str, names: tuple[str, ...]) -> dict[str, str | None]:
     ({'dp': 'dp', 'tp': 'tp', 'cp': None, 'pp': None}, {'dp': None, 'tp': 'tp', 'cp': 'cp', 'pp': None})
     >>> roles("pp+dp+tp", ("pp", "dp", "tp"))
     {'dp': 'dp', 'tp': 'tp', 'cp': None, 'pp': 'pp'}
+    >>> roles("auto", ("dp", "tp"))  # autoplan assigns them
+    {'dp': None, 'tp': None, 'cp': None, 'pp': None}
     """
+    if style == "auto":
+        return {"dp": None, "tp": None, "cp": None, "pp": None}
     parts = set(style.split("+"))
     named = {}
     for role, example in (("cp", "dp=2,cp=4"), ("pp", "pp=2,dp=2,tp=2")):
@@ -129,6 +149,25 @@ def roles(style: str, names: tuple[str, ...]) -> dict[str, str | None]:
     return {"dp": others[0] if others else None, "tp": tp, **named}
 
 
+def parse_size(text: str) -> int:
+    """Bytes from ``--memory-budget``: a number with an optional unit, SI (``kB``, ``MB``, ``GB``, ``TB``: powers of
+    1000) or binary (``KiB``, ``MiB``, ``GiB``, ``TiB``: powers of 1024), in any case; a plain number is bytes.
+
+    >>> parse_size("2GB"), parse_size("1.5GiB"), parse_size("512 MiB"), parse_size("1000000")
+    (2000000000, 1610612736, 536870912, 1000000)
+    """
+    found = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", text)
+    unit = found and found.group(2).lower()
+    if found is None or unit not in UNITS:
+        raise SystemExit(f"--memory-budget {text!r}: give bytes per device as a number with an optional unit, SI "
+                         "(kB, MB, GB, TB: powers of 1000) or binary (KiB, MiB, GiB, TiB: powers of 1024), like 2GB, "
+                         "512MiB or 1.5GiB")
+    size = int(float(found.group(1)) * UNITS[unit])
+    if size < 1:
+        raise SystemExit(f"--memory-budget {text!r} is under one byte: give a positive size, like 2GB")
+    return size
+
+
 def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
     pairs = [p.split("=") for p in text.split(",")]
     try:
@@ -141,9 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mesh", default=None,
                     help="axis=size pairs; 'cp' is the context axis, the last other one the tensor axis, the first the "
-                         "data axis (default: dp=2,tp=4, or for a style with cp its sequence over 8 devices)")
+                         "data axis (default: dp=2,tp=4, or for a style with cp its sequence over 8 devices; with "
+                         "--style auto the plan gives each axis its role, default a=2,b=4)")
     ap.add_argument("--style", default="tp",
-                    help="tp, sp, fsdp, dp, cp, or a '+'-joined combination: dp+cp, cp+tp, fsdp+cp+tp, ...")
+                    help="tp, sp, fsdp, dp, cp, or a '+'-joined combination: dp+cp, cp+tp, fsdp+cp+tp, ...; auto: "
+                         "the plan autoplan finds (default mesh a=2,b=4)")
     ap.add_argument("--method", default="auto",
                     help="how attention crosses the context axis: ring, all_gather, all_to_all or auto (the cost model "
                          "chooses)")
@@ -153,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="with pp: the order of the microbatches' forward and backward units (default 1f1b)")
     ap.add_argument("--virtual-stages", type=int, default=None,
                     help="with pp and --schedule interleaved: the chunks of blocks each device holds (default 1)")
+    ap.add_argument("--memory-budget", default=None, metavar="SIZE",
+                    help="with --style auto: bytes per device the plan may take, SI (2GB = 2e9 bytes) or binary "
+                         "(1.5GiB = 1.5 x 2^30 bytes) units, or plain bytes")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--layers", type=int, default=None,
                     help="the GPT's blocks (default 2; with pp, the stages times the virtual stages)")
@@ -164,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     names, sizes = parse_mesh(args.mesh or default_mesh(args.style))
+    budget = _auto(args)
     axes = roles(args.style, names)
     layers, pipeline = _pipeline(args, dict(zip(names, sizes, strict=True)), axes["pp"])
     if args.processes > 1 and args.process_id is None:
@@ -187,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     import jshard
     from jshard import Replicate, Shard
     from jshard.gpt import GPT, cross_entropy, one_device_trainer, plan, summed_terms
-    from jshard.parallel import TrainStep, parallelize
+    from jshard.parallel import TrainStep, autoplan, parallelize
     from jshard.validate.tolerance import curve_ratio
 
     n = int(np.prod(sizes))
@@ -201,11 +246,31 @@ def main(argv: list[str] | None = None) -> int:
     if jax.process_index() != 0:  # every process runs the same program; one of them reports
         sys.stdout = open(os.devnull, "w")
     where = f"{jax.process_count()} processes, " if jax.process_count() > 1 else ""
-    try:
-        styles, default = plan(args.style, method=args.method, **pipeline,
-                               **{k: v for k, v in axes.items() if v is not None})
-    except ValueError as e:
-        raise SystemExit(f"--style {args.style!r} --method {args.method!r}: {e}") from None
+
+    def make():
+        return GPT(vocab, dim, heads, layers, seq, rngs=nnx.Rngs(0))
+
+    def loss_fn(model, ids, labels):
+        return cross_entropy(model(ids), labels)
+
+    tx = optax.adamw(3e-3, eps=1e-6)
+    if args.style == "auto":
+        shape = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+        try:
+            # every process finds the same plan: autoplan ranks by process 0's measurements
+            found = autoplan(make, mesh, loss_fn, shape, shape, tx=tx, memory_budget=budget)
+        except ValueError as e:
+            raise SystemExit(f"--style auto{f' --memory-budget {args.memory_budget}' if budget else ''} on "
+                             f"--mesh {','.join(f'{n}={s}' for n, s in zip(names, sizes, strict=True))}: {e}") from None
+        if jax.process_count() > 1:
+            found = _contiguous(found, mesh, seq)
+        styles, default = found.styles, found.default
+    else:
+        try:
+            styles, default = plan(args.style, method=args.method, **pipeline,
+                                   **{k: v for k, v in axes.items() if v is not None})
+        except ValueError as e:
+            raise SystemExit(f"--style {args.style!r} --method {args.method!r}: {e}") from None
     if axes["cp"] and jax.process_count() > 1:
         # each process loads one contiguous range of every row (process_rows); striped tokens are not one
         styles[""] = dataclasses.replace(styles[""], balance=False)
@@ -216,12 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         how += f" ({pipeline['virtual_stages']} chunks a device)" if pipeline["virtual_stages"] > 1 else ""
     print(f"jshard demo: a {layers}-layer GPT (vocab {vocab}, width {dim}, {heads} heads, sequence {seq}) "
           f"on {jshard.spec.format_mesh(mesh)} of {where}{devices[0].platform} devices, style {args.style!r}{how}\n")
-
-    def make():
-        return GPT(vocab, dim, heads, layers, seq, rngs=nnx.Rngs(0))
-
-    def loss_fn(model, ids, labels):
-        return cross_entropy(model(ids), labels)
+    if args.style == "auto":
+        print(found.explain(), end="\n\n")
 
     model = parallelize(make, mesh, styles, default=default)  # built sharded: each device draws its blocks
     if axes["pp"]:  # the blocks stacked along a new dim 0, split into stages over pp
@@ -238,18 +299,20 @@ def main(argv: list[str] | None = None) -> int:
 
     tokens = corpus(vocab, args.steps * batch * (seq + 1) + 1)
     windows = tokens[: args.steps * batch * (seq + 1)].reshape(args.steps, batch, seq + 1)
-    # the batch over the data axis; with context parallelism the sequence over cp, in the model's own layout
+    # the batch over the data axis; with context parallelism the sequence over cp, in the model's own layout; under
+    # autoplan, as its plan says (ids and labels alike)
     layout = {axes["dp"]: Shard(0)} if axes["dp"] else {}
     if axes["cp"]:
         layout[axes["cp"]] = styles[""].sequence(seq, mesh.shape[axes["cp"]])
     data_axes = tuple(layout.get(a, Replicate()) for a in names)
-    rows, cols = jshard.process_rows(mesh, data_axes, (batch, seq))  # this process's part of every batch
+    placed = found.batch if args.style == "auto" else (data_axes, data_axes)
+    parts = [jshard.process_rows(mesh, p, (batch, seq)) for p in placed]  # this process's part of every batch
 
     def shard(step):
-        ids, labels = windows[step, rows, :-1][:, cols], windows[step, rows, 1:][:, cols]  # what a loader reads
-        return [jshard.from_process_local(a, mesh, data_axes, shape=(batch, seq)) for a in (ids, labels)]
+        whole = windows[step, :, :-1], windows[step, :, 1:]
+        return [jshard.from_process_local(a[rows][:, cols], mesh, p, shape=(batch, seq))  # what a loader reads
+                for a, p, (rows, cols) in zip(whole, placed, parts, strict=True)]
 
-    tx = optax.adamw(3e-3, eps=1e-6)
     train = TrainStep(model, tx, loss_fn)
     totals = train.explain(*shard(0)).totals
     print("one training step communicates: " + (", ".join(
@@ -295,6 +358,44 @@ def main(argv: list[str] | None = None) -> int:
     print(f"loss {ours[0]:.4f} -> {ours[-1]:.4f} (log vocab = {np.log(vocab):.4f}); largest relative difference "
           f"from one device: {worst:.1e}, {ratio:.2f} of the rounding bound -> {'OK' if ratio <= 1 else 'MISMATCH'}")
     return 0 if ratio <= 1 else 1
+
+
+def _auto(args) -> int | None:
+    """``--memory-budget`` in bytes (None without it), after refusing what ``--style auto`` does not search and a
+    budget given to a fixed style."""
+    if args.style != "auto":
+        if args.memory_budget is not None:
+            raise SystemExit(f"--memory-budget {args.memory_budget}: the memory autoplan's plan may take, and "
+                             f"--style {args.style!r} is a fixed plan; add --style auto to search one under the "
+                             "budget, or leave --memory-budget out")
+        return None
+    if args.method != "auto":
+        raise SystemExit(f"--method {args.method}: under --style auto the cost model picks how attention crosses a "
+                         "context-parallel axis (--method auto); name the style to pin it, like --style dp+cp "
+                         f"--method {args.method}, or leave --method out")
+    given = [flag for flag, value in (("--microbatches", args.microbatches), ("--schedule", args.schedule),
+                                      ("--virtual-stages", args.virtual_stages)) if value is not None]
+    if given:
+        raise SystemExit(f"{', '.join(given)}: settings of a pipeline, which --style auto does not search yet; name "
+                         "the style, like --style pp+dp+tp, or leave them out")
+    return None if args.memory_budget is None else parse_size(args.memory_budget)
+
+
+def _contiguous(found, mesh, seq: int):
+    """``found`` with the sequence in contiguous blocks on its context-parallel axes, where it has any: in
+    multi-controller mode each process loads one range of every row (``process_rows``), which striped tokens are not
+    (as ``--style cp`` does with ``--processes``)."""
+    from jshard.parallel import ContextParallel
+
+    cp = {s.axis: dataclasses.replace(s, balance=False)
+          for styles in found.styles.values() for s in styles if isinstance(s, ContextParallel)}
+    if not cp:
+        return found
+    styles = {pattern: tuple(cp[s.axis] if isinstance(s, ContextParallel) else s for s in these)
+              for pattern, these in found.styles.items()}
+    batch = tuple(tuple(cp[a].sequence(seq, mesh.shape[a]) if a in cp else p
+                        for a, p in zip(mesh.axis_names, placements, strict=True)) for placements in found.batch)
+    return dataclasses.replace(found, styles=styles, batch=batch)
 
 
 def _pipeline(args, sizes: dict[str, int], pp: str | None) -> tuple[int, dict]:

@@ -602,6 +602,29 @@ def check_gpt_context_parallel() -> None:
     match_one_device("gpt_cp8_ring", losses)
 
 
+def check_gpt_autoplan() -> None:
+    """``autoplan`` in multi-controller mode: both processes search (each measuring its devices) and find the same
+    plan (process 0's measurements rank the candidates on both), which trains like one device."""
+    import zlib
+
+    from jax.experimental import multihost_utils
+
+    from jshard.parallel import TrainStep, autoplan, parallelize
+
+    mesh = MESHES["2x4"]
+    make, loss_fn, tx, windows = gpt_problem()
+    ids = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
+    t0 = time.perf_counter()
+    plan = autoplan(make, mesh, loss_fn, ids, ids, tx=tx)
+    RESULTS["seconds"]["gpt: autoplan search"] = round(time.perf_counter() - t0, 3)
+    mine = np.array([zlib.crc32(plan.name.encode()) % 2**31], np.int32)  # int32: JAX without x64
+    assert int(multihost_utils.broadcast_one_to_all(mine)[0]) == int(mine[0]), f"process plans differ: {plan.name}"
+    RESULTS["digests"]["gpt/autoplan"] = plan.name
+    train = TrainStep(parallelize(make, mesh, plan), tx, loss_fn)
+    losses = train_gpt(train, mesh, list(plan.batch[0]), windows, "gpt_autoplan")
+    match_one_device("gpt_autoplan", losses)
+
+
 def check_gpt_pipeline() -> None:
     """Pipelined (``plan("pp+dp+tp")``, 1F1B, 2 microbatches) with pp crossing the processes: each process holds
     its own stage's blocks and no other's (the stacked parameters' blocks here are the eager model's blocks of
@@ -768,6 +791,7 @@ def main() -> None:
         check(f"attention/{name}", check_attention, name)
     check("gpt/tp_2x4", check_gpt)
     check("gpt/cp8_ring", check_gpt_context_parallel)
+    check("gpt/autoplan_2x4", check_gpt_autoplan)
     check("gpt/pp2xdp2xtp2_pp_across", check_gpt_pipeline)
     for key in MESHES:
         check(f"checkpoint/save_{key}", check_checkpoint_save, key)

@@ -81,10 +81,14 @@ def autoplan(make: Callable[[], nnx.Module], mesh: Mesh, loss_fn: Callable, *bat
     >>> from flax import nnx
     >>> from jshard.parallel import autoplan
     >>> mesh = jax.make_mesh((8,), ("x",))
-    >>> ids = jax.ShapeDtypeStruct((16, 8), jnp.float32)
-    >>> plan = autoplan(lambda: nnx.Linear(8, 8, rngs=nnx.Rngs(0)), mesh, lambda m, x: jnp.mean(m(x) ** 2), ids)
-    >>> plan.roles, plan.batch
-    ({'x': 'dp'}, ((S(0), R),))
+    >>> make, x = lambda: nnx.Linear(64, 64, rngs=nnx.Rngs(0)), jax.ShapeDtypeStruct((16, 64), jnp.float32)
+    >>> free = autoplan(make, mesh, lambda m, x: jnp.mean(m(x) ** 2), x, styles=("dp", "fsdp"))
+    >>> sorted(p.name for p in (free, *free.runners_up))  # both priced, the faster first
+    ['dp(x)', 'fsdp(x)']
+    >>> budget = min(p.memory.total for p in (free, *free.runners_up))  # room for the smaller one only
+    >>> tight = autoplan(make, mesh, lambda m, x: jnp.mean(m(x) ** 2), x, styles=("dp", "fsdp"), memory_budget=budget)
+    >>> tight.roles, tight.batch, tight.memory.total <= budget
+    ({'x': 'fsdp'}, ((S(0),),), True)
     """
     start = time.perf_counter()
     _check_args(make, mesh, loss_fn, batch, tx, memory_budget, styles)
@@ -386,9 +390,9 @@ def _figures(model, blocks, cut, more, mesh, plan, default, loss_fn, batch, plac
     outputs = jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(traced.out_tree, range(len(plan_.outs))))[0]
     own = {j for path, j in outputs if inside(_path(path))}  # the block's parameters and optimizer state, updated
     ours = _block_equations(plan_, own)
-    sizes = dict(mesh.shape)
+    sizes, fused = dict(mesh.shape), _fused(plan_)
     for eq in plan_.equations:
-        figures = _equation_figures(eq, machine.links, sizes)
+        figures = _equation_figures(eq, machine.links, sizes, fused)
         for k, v in figures.items():
             total[k] = total.get(k, 0.0) + v
             if id(eq) in ours:
@@ -431,11 +435,12 @@ def _block_equations(plan: JaxprPlan, own: set[int]) -> dict[int, str]:
     return ours
 
 
-def _equation_figures(eq, links: CostModel, sizes: dict) -> dict[str, float]:
+def _equation_figures(eq, links: CostModel, sizes: dict, fused: frozenset = frozenset()) -> dict[str, float]:
     """One equation's figures per device: its operands' moves and its own collectives (µs by ``links``, bytes),
-    its matmul FLOPs and the bytes it writes, its loop or branch bodies' included."""
-    out = {"comm_us": 0.0, "bytes": 0.0, "flops": _flops(eq), "written": float(sum(s.local_bytes
-                                                                                  for s in eq.choice.outs))}
+    its matmul FLOPs and the bytes it writes (``fused``: values it never writes), its loop or branch bodies'
+    included."""
+    written = sum(s.local_bytes for o, s in zip(eq.outs or (), eq.choice.outs, strict=True) if o not in fused)
+    out = {"comm_us": 0.0, "bytes": 0.0, "flops": _flops(eq), "written": float(written)}
     for op in eq.operands:
         if isinstance(op.move, MovePlan):
             for k, v in _move_figures(op.move, links, sizes).items():
@@ -488,6 +493,20 @@ def _backward(eq) -> bool:
     return "transpose(" in eq.scope
 
 
+def _fused(plan: JaxprPlan) -> frozenset:
+    """The values XLA fuses away: made by an elementwise equation and read only by one other elementwise equation
+    or reduction (never an output), so never written to memory."""
+    users: dict = {}
+    for eq in plan.equations:
+        for op in eq.operands:
+            if not op.literal:
+                users.setdefault(op.value, []).append(eq.eqn.primitive.name)
+    ends = {o for o in plan.outs if not isinstance(o, jc.Literal)}
+    return frozenset(o for eq in plan.equations if eq.eqn.primitive.name in _FUSED for o in eq.outs or ()
+                     if o is not None and o not in ends and len(users.get(o, ())) == 1
+                     and users[o][0] in _FUSED | _READS)
+
+
 def _peak(plan: JaxprPlan, ours: dict[int, str], more: int) -> int:
     """The most bytes a device holds at once in the intermediates (not the inputs) of the plan of a model cut short,
     for the model with ``more`` blocks like its last: each value from its equation to its last use, a moved
@@ -500,16 +519,13 @@ def _peak(plan: JaxprPlan, ours: dict[int, str], more: int) -> int:
             if not op.literal:
                 last[op.value] = i
                 users.setdefault(op.value, []).append(eq)
-    ends = {o for o in plan.outs if not isinstance(o, jc.Literal)}
+    ends, fused = {o for o in plan.outs if not isinstance(o, jc.Literal)}, _fused(plan)
     size, live, peak = {}, 0, 0
     for i, eq in enumerate(plan.equations):
-        fusible, kind = eq.eqn.primitive.name in _FUSED, ours.get(id(eq))
+        kind = ours.get(id(eq))
         for o, spec in zip(eq.outs or (), eq.choice.outs, strict=True):
-            readers = users.get(o, ())
-            # XLA fuses elementwise chains: a value made by one and read only by another never exists
-            if o is not None and not (fusible and o not in ends and len(readers) == 1
-                                      and readers[0].eqn.primitive.name in _FUSED | _READS):
-                kept = kind == "own" or (kind == "forward" and any(map(_backward, readers)))
+            if o is not None and o not in fused:
+                kept = kind == "own" or (kind == "forward" and any(map(_backward, users.get(o, ()))))
                 size[o] = spec.local_bytes * (1 + more if kept else 1)
                 live += size[o]
         moved = (1 + more if kind == "own" else 1) * sum(
@@ -572,7 +588,6 @@ def _measured(devices: tuple) -> Machine:
     matmul = _seconds(jax.jit(lambda a, b: (a @ b) @ b), a, b)
     big = jax.device_put(jnp.ones((n * 2**20,), jnp.float32), split)
     write = _seconds(jax.jit(lambda x: x * 2.0 + 1.0), big)
-    links = CostModel()
     if n > 1:
         def summed(size):
             x = jax.device_put(jnp.ones((n * size,), jnp.float32), split)
@@ -580,11 +595,19 @@ def _measured(devices: tuple) -> Machine:
                                       out_specs=PartitionSpec("d")))
             return _seconds(f, x) * 1e6
         small, large = summed(256), summed(2**20)
-        hops = 2 * (n - 1)
+    else:
+        small = large = 0.0
+    figures = np.array([2 * 2 * rows * k * k / (matmul * 1e6), 2 * 4 * 2**20 / (write * 1e6), small, large])
+    if jax.process_count() > 1:  # every process must find the same plan: process 0's measurements for all
+        from jax.experimental import multihost_utils
+        figures = np.asarray(multihost_utils.broadcast_one_to_all(figures.astype(np.float32)), np.float64)
+    flops, written, small, large = figures.tolist()
+    links = CostModel()
+    if n > 1:
         volume = 4 * 2**20 * 2 * (n - 1) / n
-        links = CostModel(launch_us=0.0, default=AxisCost(latency_us=small / hops,
+        links = CostModel(launch_us=0.0, default=AxisCost(latency_us=small / (2 * (n - 1)),
                                                           bandwidth_gbps=volume / max(large - small, 1e-3) / 1e3))
-    return Machine(2 * 2 * rows * k * k / (matmul * 1e6), 2 * 4 * 2**20 / (write * 1e6), links)
+    return Machine(flops, written, links)
 
 
 def _seconds(f: Callable, *args) -> float:

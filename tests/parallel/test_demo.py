@@ -1,8 +1,17 @@
 """The main job and the tour run and check themselves (their exit codes are the verdicts)."""
 
-import pytest
+import dataclasses
+import doctest
 
-from jshard import demo, tour
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+from jshard import Replicate, Shard, StridedShard, demo, tour
+from jshard.gpt import GPT, cross_entropy
+from jshard.parallel import ContextParallel, Memory, Plan, autoplan
 
 
 @pytest.mark.parametrize("style", ["tp", pytest.param("sp", marks=pytest.mark.slow),
@@ -95,6 +104,103 @@ def test_the_pipelined_demo_runs_as_two_processes(capfd):
     assert demo.main(["--style", "pp+fsdp", "--mesh", "pp=2,dp=4", "--processes", "2", "--steps", "2"]) == 0
     out = capfd.readouterr().out
     assert "2 processes" in out and "through 2 stages" in out and "permute" in out and "rounding bound -> OK" in out
+
+
+def test_the_demo_trains_with_the_plan_autoplan_finds(capsys):
+    """``--style auto`` on the default mesh (a=2,b=4): the plan's table comes before training, and the curve matches
+    one device's."""
+    assert demo.main(["--style", "auto", "--steps", "2", "--layers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "on mesh(a=2, b=4)" in out and "style 'auto'" in out
+    table = out.split("autoplan: ")[1]
+    assert out.index("autoplan: ") < out.index("step   1/2") and "predicted memory" in table and "runners-up:" in table
+    assert "no memory budget" in table and "of the rounding bound -> OK" in out
+
+
+def test_a_checkpoint_resumes_under_the_plan_autoplan_finds(capsys, tmp_path):
+    """Checkpoints hold values, not plans: a DP2 x TP4 run's resumes under ``--style auto``, here on one device (the
+    only plan there is data parallelism over the one device), and goes on like one device."""
+    ckpt = str(tmp_path / "ckpt")
+    assert demo.main(["--steps", "2", "--layers", "1", "--checkpoint", ckpt]) == 0
+    capsys.readouterr()
+    assert demo.main(["--style", "auto", "--mesh", "x=1", "--steps", "3", "--layers", "1", "--checkpoint", ckpt]) == 0
+    out = capsys.readouterr().out
+    assert "autoplan: dp(x)" in out and f"resumed from {ckpt} after step 2" in out and "step   3/3" in out
+    assert "of the rounding bound -> OK" in out
+
+
+@pytest.mark.slow
+def test_the_demo_keeps_to_a_memory_budget(capsys):
+    """On a mesh with a size-1 axis, a budget (in plain bytes) that only the plan of least predicted memory fits: the
+    demo trains that one, whichever is fastest, and leaves every other out as over the budget."""
+    mesh = jax.make_mesh((1, 8), ("x", "y"), devices=jax.devices()[:8])
+    ids = jax.ShapeDtypeStruct((demo.BATCH, 32), jnp.int32)
+    free = autoplan(lambda: GPT(64, 64, 4, 1, 32, rngs=nnx.Rngs(0)), mesh,
+                    lambda m, ids, labels: cross_entropy(m(ids), labels), ids, ids, tx=optax.adamw(3e-3, eps=1e-6),
+                    runners_up=64)
+    plans = sorted([free, *free.runners_up], key=lambda p: p.memory.total)
+    assert len(plans) > 1 and plans[0].memory.total < plans[1].memory.total, [(p.name, p.memory) for p in plans]
+    budget = plans[1].memory.total - 1
+    assert demo.main(["--style", "auto", "--mesh", "x=1,y=8", "--memory-budget", str(budget), "--steps", "2",
+                      "--layers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.split("autoplan: ")[1].split()[0] == plans[0].name and "(memory budget " in out
+    left_out = out.split("left out:")[1].split("placements of")[0]
+    assert all(f"{p.name:<28} over the budget" in left_out for p in plans[1:])
+    assert "of the rounding bound -> OK" in out
+
+
+@pytest.mark.slow
+def test_the_auto_demo_runs_as_two_processes(capfd):
+    """``--style auto --processes 2``: each process searches on its own, both train process 0's choice, and each
+    loads its own rows of the batch as the plan places it."""
+    assert demo.main(["--style", "auto", "--processes", "2", "--steps", "2", "--layers", "1"]) == 0
+    out = capfd.readouterr().out
+    assert "2 processes" in out and "autoplan: " in out and "of the rounding bound -> OK" in out
+
+
+def test_the_demo_exits_with_autoplans_message_when_no_plan_fits():
+    with pytest.raises(SystemExit, match=r"--style auto --memory-budget 1KB on --mesh a=2,b=4: autoplan: no plan "
+                                         r"fits memory_budget=1,000 bytes per device .* the smallest is \S+ at [\d,]+ "
+                                         r"bytes predicted"):
+        demo.main(["--style", "auto", "--memory-budget", "1KB", "--steps", "1", "--layers", "1"])
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--memory-budget", "2GB"], r"--memory-budget 2GB: .* --style 'tp' is a fixed plan; add --style auto"),
+    (["--style", "fsdp", "--memory-budget", "2GB"], r"--style 'fsdp' is a fixed plan"),
+    (["--style", "auto", "--memory-budget", "2XB"], r"--memory-budget '2XB': .* SI \(kB, MB, GB, TB: powers of 1000\) "
+                                                   r"or binary \(KiB, MiB, GiB, TiB: powers of 1024\)"),
+    (["--style", "auto", "--memory-budget=-1GB"], r"--memory-budget '-1GB': give bytes per device"),
+    (["--style", "auto", "--memory-budget", "0.1"], r"--memory-budget '0.1' is under one byte"),
+    (["--style", "auto", "--method", "ring"], r"--method ring: under --style auto the cost model picks .* like "
+                                             r"--style dp\+cp --method ring"),
+    (["--style", "auto", "--microbatches", "2"], r"--microbatches: settings of a pipeline, which --style auto does not "
+                                                 r"search yet; name the style, like --style pp\+dp\+tp"),
+])
+def test_the_demo_refuses_a_budget_or_setting_autoplan_does_not_take(args, match):
+    with pytest.raises(SystemExit, match=match):
+        demo.main(args)
+
+
+def test_a_context_parallel_plan_loads_contiguous_blocks_in_several_processes():
+    """Under ``--processes`` each process loads one range of every row: a plan with a context-parallel axis lays the
+    sequence there in blocks, not striped, and keeps everything else."""
+    mesh = jax.make_mesh((2, 4), ("a", "b"), devices=jax.devices()[:8])
+    striped = ContextParallel("b").sequence(32, 4)
+    found = Plan(roles={"a": "dp", "b": "cp"}, styles={"": (ContextParallel("b", method="ring"),)}, default=(),
+                 batch=((Shard(0), striped),) * 2, step_us=1.0, bytes_moved=0, memory=Memory(0, 0, 0, 0, 0))
+    blocks = demo._contiguous(found, mesh, 32)
+    assert isinstance(striped, StridedShard) and blocks.batch == ((Shard(0), Shard(1)),) * 2
+    assert blocks.styles == {"": (ContextParallel("b", method="ring", balance=False),)} and blocks.roles == found.roles
+    plain = dataclasses.replace(found, roles={"a": "dp", "b": "tp"}, styles={}, batch=((Shard(0), Replicate()),) * 2)
+    assert demo._contiguous(plain, mesh, 32) is plain
+
+
+def test_memory_budgets_read_si_and_binary_units():
+    assert [demo.parse_size(t) for t in ("2GB", "2gb", "512MB", "1.5GiB", "1 kib", "123", "7B", "1TB")] == \
+        [2 * 10**9, 2 * 10**9, 512 * 10**6, 3 * 2**29, 1024, 123, 7, 10**12]
+    assert doctest.testmod(demo, optionflags=doctest.ELLIPSIS).failed == 0  # the demo's own examples
 
 
 def test_the_demo_rejects_a_malformed_mesh():
