@@ -32,8 +32,8 @@ it); the microbatches cut the batch of 8 rows. With ``--processes`` the first me
 other pipeline (mesh, schedule, styles beside it) with the same ``--layers``.
 
 With ``--style auto`` the plan is ``jshard.parallel.autoplan``'s: every assignment of its roles (data, fully sharded
-data, tensor, sequence, context parallelism: ``jshard.parallel.autoplan.ROLES``) to the mesh axes is priced on the
-demo's own training step, and the fastest whose predicted memory per device fits ``--memory-budget`` (when given)
+data, tensor, sequence, context, pipeline parallelism: ``jshard.parallel.autoplan.ROLES``) to the mesh axes is priced
+on the demo's own training step, and the fastest whose predicted memory per device fits ``--memory-budget`` (when given)
 is trained, its table (``Plan.explain``) printed first; the batch is placed as the plan says. The default mesh is
 ``a=2,b=4`` (any ``--mesh`` works: the plan gives the axes their roles, whatever their names). When no plan fits the
 budget, the demo exits with autoplan's message. The checkpoints hold values, not plans: a run resumes under
@@ -376,8 +376,9 @@ def _auto(args) -> int | None:
     given = [flag for flag, value in (("--microbatches", args.microbatches), ("--schedule", args.schedule),
                                       ("--virtual-stages", args.virtual_stages)) if value is not None]
     if given:
-        raise SystemExit(f"{', '.join(given)}: settings of a pipeline, which --style auto does not search yet; name "
-                         "the style, like --style pp+dp+tp, or leave them out")
+        raise SystemExit(f"{', '.join(given)}: settings of a pipeline, which --style auto sets itself where it "
+                         "pipelines (1F1B, twice the stages in microbatches); name the style to choose them, like "
+                         "--style pp+dp+tp, or leave them out")
     return None if args.memory_budget is None else parse_size(args.memory_budget)
 
 

@@ -22,7 +22,7 @@ import heapq
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any, NamedTuple
 
 import jax
@@ -181,7 +181,12 @@ def plan_jaxpr(closed: jc.ClosedJaxpr, specs: list[Spec], mesh: Mesh, pinned: li
 
 def replicated(mesh: Mesh, shape, dtype) -> Spec:
     """The spec of a value every device holds whole (a literal, a constant output)."""
-    return Spec(mesh, (Replicate(),) * mesh.devices.ndim, tuple(shape), dtype)
+    return _replicated(mesh, tuple(shape), dtype)
+
+
+@lru_cache(4096)  # a walk asks for one per literal operand, the same few again and again
+def _replicated(mesh: Mesh, shape: tuple, dtype) -> Spec:
+    return Spec(mesh, (Replicate(),) * mesh.devices.ndim, shape, dtype)
 
 
 def move_cost(src: list[Spec], dst: list[Spec]) -> float:

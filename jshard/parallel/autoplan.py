@@ -2,9 +2,11 @@
 
 A plan gives each mesh axis a role: ``"dp"`` (the batch split, parameters replicated), ``"fsdp"`` (the batch
 split, parameters sharded and gathered where used), ``"tp"`` (Megatron's tensor parallelism), ``"sp"`` (``"tp"``
-with the norms and residual stream sharded on the sequence) or ``"cp"`` (context parallelism: the sequence split,
-attention crossing the axis as the cost model chooses). Roles on several axes compose (FSDP on one data axis and
-data parallelism on another is HSDP; one tensor axis and one context axis at most). Under ``"tp"`` / ``"sp"``
+with the norms and residual stream sharded on the sequence), ``"cp"`` (context parallelism: the sequence split,
+attention crossing the axis as the cost model chooses) or ``"pp"`` (pipeline parallelism: the list of identical
+blocks split into stages, 1F1B over twice as many microbatches as stages where the batch allows). Roles on several
+axes compose (FSDP on one data axis and data parallelism on another is HSDP; one tensor, one context and one
+pipeline axis at most). Under ``"tp"`` / ``"sp"``
 each linear layer's side is read from the model's own dataflow, not from its names: a layer fed by no other
 layer's output (q, k, v, up, a head) runs column parallel, one fed by a column-parallel layer (o, down) row
 parallel, alternating along a chain; embeddings looked up by the batch's ids are split on the vocabulary; norms
@@ -28,7 +30,9 @@ The candidates are few once axes of the same size and cost are taken as intercha
 its permutations are one candidate), so the search prices every one and is exact over its space: no solver's
 relaxation, no heuristic pruning, and the runners-up come for free. Candidates with the same roles on axes of other
 sizes trace one step between them (on the mesh renamed by role; ``jshard.engine.shared_trace``) and are only
-planned again. Pipeline parallelism is not searched yet.
+planned again. A pipeline's step is one equation whatever the depth (its blocks stacked), priced whole: its layer's
+forward and backward and its tail as its schedule runs them, tick by tick (each tick as long as its slowest
+device), and its kernel's buffers in memory.
 """
 
 from __future__ import annotations
@@ -57,12 +61,21 @@ from ..planner import Plan as MovePlan
 from ..spec import Spec
 from .parallelize import kind_of, parallelize_shapes
 from .plan import Memory, Plan
-from .styles import ColwiseParallel, ContextParallel, FullyShard, ParallelStyle, RowwiseParallel, SequenceParallel
+from .schedule import make_schedule
+from .styles import (
+    ColwiseParallel,
+    ContextParallel,
+    FullyShard,
+    ParallelStyle,
+    PipelineParallel,
+    RowwiseParallel,
+    SequenceParallel,
+)
 from .training import _mirror, step_function
 
 __all__ = ["ROLES", "autoplan"]
 
-ROLES = ("dp", "fsdp", "tp", "sp", "cp")
+ROLES = ("dp", "fsdp", "tp", "sp", "cp", "pp")
 _TENSOR = ("tp", "sp")
 
 
@@ -96,11 +109,15 @@ def autoplan(make: Callable[[], nnx.Module], mesh: Mesh, loss_fn: Callable, *bat
     styles = tuple(styles or ROLES)
     batch = tuple(jax.ShapeDtypeStruct(np.shape(b), b.dtype) for b in batch)
     model = nnx.eval_shape(make)
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"autoplan: make() must build an nnx.Module, it built {kind_of(model)}; pass the model's "
+                        "constructor, lambda: GPT(cfg, rngs=nnx.Rngs(0))")
     blocks = _repeated(model)
     tensor = _tensor_sides(model, loss_fn, batch) if set(styles) & set(_TENSOR) else {}
     machine = _machine(mesh)
     priced, rejected, traces = [], [], {}
-    for roles in _candidates(mesh, styles, batch):
+    depth = len(list(_at(model, blocks))) if blocks is not None else 0
+    for roles in _candidates(mesh, styles, batch, depth):
         name = "+".join(f"{r}({a})" for a, r in roles.items())
         try:
             priced.append(_priced(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, machine, traces))
@@ -161,18 +178,22 @@ def _check_args(make, mesh, loss_fn, batch, tx, budget, styles) -> None:
 # the candidates
 
 
-def _candidates(mesh: Mesh, styles: tuple[str, ...], batch: tuple) -> list[dict[str, str]]:
+def _candidates(mesh: Mesh, styles: tuple[str, ...], batch: tuple, depth: int) -> list[dict[str, str]]:
     """Every role assignment, one per class of assignments that differ only by a permutation of interchangeable
-    axes (same size); an axis of size 1 does nothing, whatever its role, and is left ``"dp"``."""
+    axes (same size); an axis of size 1 does nothing, whatever its role, and is left ``"dp"``. A pipeline needs
+    ``depth`` blocks (0: the model has no list of identical blocks) that its stages split, and microbatches."""
     names, sizes = list(mesh.axis_names), dict(mesh.shape)
     options = [("dp",) if sizes[a] == 1 else styles for a in names]
     rows = min((b.shape[0] for b in batch if b.shape), default=1)
     seen, out = set(), []
     for combo in itertools.product(*options):
-        if sum(r in _TENSOR for r in combo) > 1 or combo.count("cp") > 1:
+        if sum(r in _TENSOR for r in combo) > 1 or combo.count("cp") > 1 or combo.count("pp") > 1:
             continue
         data = math.prod(sizes[a] for a, r in zip(names, combo, strict=True) if r in ("dp", "fsdp"))
         if rows % data:
+            continue
+        stages = [sizes[a] for a, r in zip(names, combo, strict=True) if r == "pp"]
+        if stages and (not depth or depth % stages[0] or _microbatches(stages[0], rows, data) is None):
             continue
         key = tuple(sorted((sizes[a], r) for a, r in zip(names, combo, strict=True)))
         if key in seen:
@@ -182,13 +203,23 @@ def _candidates(mesh: Mesh, styles: tuple[str, ...], batch: tuple) -> list[dict[
     return out
 
 
-def _styles_of(roles: dict[str, str], tensor: dict) -> tuple[dict, tuple]:
-    """``(plan, default)`` for ``parallelize`` from a role assignment."""
+def _microbatches(stages: int, rows: int, data: int) -> int | None:
+    """A pipeline's microbatches: twice its stages where the batch's rows allow (each microbatch split over the data
+    axes), else as many as its stages (None: too few rows)."""
+    return next((m for m in (2 * stages, stages) if rows % m == 0 and (rows // m) % data == 0), None)
+
+
+def _styles_of(roles: dict[str, str], tensor: dict, blocks: tuple | None = None,
+               microbatches: int | None = None) -> tuple[dict, tuple]:
+    """``(plan, default)`` for ``parallelize`` from a role assignment (a pipeline runs the blocks at ``blocks`` as
+    ``microbatches`` microbatches)."""
     default = tuple(FullyShard(a) for a, r in roles.items() if r == "fsdp")
     plan: dict[str, tuple[ParallelStyle, ...]] = {}
     for axis, role in roles.items():
         if role == "cp":
             plan[""] = (ContextParallel(axis),)
+        if role == "pp":
+            plan[_pattern(blocks)] = (PipelineParallel(axis, microbatches=microbatches),)
         if role not in _TENSOR:
             continue
         seq = role == "sp"
@@ -325,19 +356,25 @@ def _priced(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, machine: Mac
     same roles then traces the same step, which ``traces`` keeps, and only its plan is made again."""
     names, canonical = _canonical(mesh, roles)
     canonical_roles = {names[a]: r for a, r in roles.items()}
-    plan, default = _styles_of(canonical_roles, tensor)
-    placements = _batch_placements(canonical, canonical_roles, batch)
     depth = len(list(_at(model, blocks))) if blocks is not None else 1
+    stages = [mesh.shape[a] for a, r in roles.items() if r == "pp"]
+    data = math.prod(mesh.shape[a] for a, r in roles.items() if r in ("dp", "fsdp"))
+    micro = _microbatches(stages[0], min(b.shape[0] for b in batch if b.shape), data) if stages else None
+    plan, default = _styles_of(canonical_roles, tensor, blocks, micro)
+    placements = _batch_placements(canonical, canonical_roles, batch)
     shape = tuple(sorted(canonical_roles.items())), tuple(canonical.shape[a] for a, r in canonical_roles.items()
-                                                          if r == "cp")  # ContextParallel traces by its axis's size
-    cut = min(depth, 2)
-    total, block = _figures(_cut(model, blocks, cut), blocks, cut, depth - cut, canonical, plan, default, loss_fn,
+                                                          if r in ("cp", "pp"))  # their styles trace by axis size
+    # a pipeline's step is one equation whatever its depth (its blocks stacked): it is priced whole
+    scoped = None if stages else blocks
+    cut = depth if stages else min(depth, 2)
+    total, block = _figures(_cut(model, scoped, cut), scoped, cut, depth - cut, canonical, plan, default, loss_fn,
                             batch, placements, tx, machine, traces, shape)
     total = {k: v + (depth - cut) * block.get(k, 0.0) for k, v in total.items()}
-    compute_us = total["flops"] / machine.flops_per_us + total["written"] / machine.bytes_per_us
+    compute_us = (total["flops"] / machine.flops_per_us + total["written"] / machine.bytes_per_us
+                  + total["pipeline_us"])
     memory = Memory(params=int(total["params"]), grads=int(total["params"]), optimizer=int(total["optimizer"]),
                     batch=int(total["batch"]), activations=int(max(total["temps"] - total["params"], 0)))
-    plan, default = _styles_of(roles, tensor)
+    plan, default = _styles_of(roles, tensor, blocks, micro)
     return Plan(roles=dict(roles), styles=plan, default=default, batch=_batch_placements(mesh, roles, batch),
                 step_us=compute_us + total["comm_us"], bytes_moved=int(total["bytes"]), memory=memory,
                 detail={"compute_us": compute_us, "comm_us": total["comm_us"], "flops": total["flops"]})
@@ -391,8 +428,9 @@ def _figures(model, blocks, cut, more, mesh, plan, default, loss_fn, batch, plac
     own = {j for path, j in outputs if inside(_path(path))}  # the block's parameters and optimizer state, updated
     ours = _block_equations(plan_, own)
     sizes, fused = dict(mesh.shape), _fused(plan_)
+    total["pipeline_us"] = 0.0
     for eq in plan_.equations:
-        figures = _equation_figures(eq, machine.links, sizes, fused)
+        figures = _equation_figures(eq, machine, sizes, fused)
         for k, v in figures.items():
             total[k] = total.get(k, 0.0) + v
             if id(eq) in ours:
@@ -422,9 +460,11 @@ def _block_equations(plan: JaxprPlan, own: set[int]) -> dict[int, str]:
     for j, o in enumerate(plan.outs):
         if not isinstance(o, jc.Literal):
             feeds.setdefault(o, set()).add(j)
-    ours = {}
+    ours, none = {}, frozenset()
     for eq in reversed(plan.equations):
-        fed = set().union(*(feeds.get(o, set()) for o in eq.outs or () if o is not None))
+        fed = set()
+        for o in eq.outs or ():
+            fed.update(feeds.get(o, none))
         if fed and fed <= own:
             ours[id(eq)] = "own"
         elif _BLOCK in eq.scope:
@@ -435,12 +475,13 @@ def _block_equations(plan: JaxprPlan, own: set[int]) -> dict[int, str]:
     return ours
 
 
-def _equation_figures(eq, links: CostModel, sizes: dict, fused: frozenset = frozenset()) -> dict[str, float]:
-    """One equation's figures per device: its operands' moves and its own collectives (µs by ``links``, bytes),
-    its matmul FLOPs and the bytes it writes (``fused``: values it never writes), its loop or branch bodies'
-    included."""
+def _equation_figures(eq, machine: Machine, sizes: dict, fused: frozenset = frozenset()) -> dict[str, float]:
+    """One equation's figures per device: its operands' moves and its own collectives (µs by the measured links,
+    bytes), its matmul FLOPs and the bytes it writes (``fused``: values it never writes), its loop or branch
+    bodies' included once; a pipeline's as its schedule runs them (``pipeline_us``)."""
+    links = machine.links
     written = sum(s.local_bytes for o, s in zip(eq.outs or (), eq.choice.outs, strict=True) if o not in fused)
-    out = {"comm_us": 0.0, "bytes": 0.0, "flops": _flops(eq), "written": float(written)}
+    out = {"comm_us": 0.0, "bytes": 0.0, "flops": _flops(eq), "written": float(written), "pipeline_us": 0.0}
     for op in eq.operands:
         if isinstance(op.move, MovePlan):
             for k, v in _move_figures(op.move, links, sizes).items():
@@ -448,15 +489,55 @@ def _equation_figures(eq, links: CostModel, sizes: dict, fused: frozenset = froz
     for c in own_collectives(eq):
         out["comm_us"] += c.cost(links, sizes)
         out["bytes"] += c.nbytes * c.count
-    for _, body, body_pins in eq.bodies:
-        for inner in body.equations:
-            for k, v in _equation_figures(inner, links, sizes).items():
-                out[k] += v
-        for move in out_moves(body, body_pins):
-            if move is not None:
-                for k, v in _move_figures(move, links, sizes).items():
-                    out[k] += v
+    bodies = [_body_figures(body, body_pins, machine, _sub_sizes(sizes, eq)) for _, body, body_pins in eq.bodies]
+    if eq.eqn.primitive.name == "jshard_pipeline":
+        out["pipeline_us"], out["bytes"] = _pipeline_time(eq, bodies, machine, sizes, out["bytes"])
+        return out
+    for figures in bodies:
+        for k, v in figures.items():
+            out[k] += v
     return out
+
+
+def _sub_sizes(sizes: dict, eq) -> dict:
+    """The mesh axes an equation's bodies are planned on: a pipeline's, the mesh without its axis."""
+    return {a: n for a, n in sizes.items() if a != eq.eqn.params.get("axis")} \
+        if eq.eqn.primitive.name == "jshard_pipeline" else sizes
+
+
+def _body_figures(body: JaxprPlan, pins: list, machine: Machine, sizes: dict) -> dict[str, float]:
+    out = {"comm_us": 0.0, "bytes": 0.0, "flops": 0.0, "written": 0.0, "pipeline_us": 0.0}
+    fused = _fused(body)
+    for inner in body.equations:
+        for k, v in _equation_figures(inner, machine, sizes, fused).items():
+            out[k] += v
+    for move in out_moves(body, pins):
+        if move is not None:
+            for k, v in _move_figures(move, machine.links, sizes).items():
+                out[k] += v
+    return out
+
+
+def _pipeline_time(eq, bodies: list[dict], machine: Machine, sizes: dict, sends: float) -> tuple[float, float]:
+    """A pipeline's µs on the critical path and bytes a device moves: its schedule's ticks, each as long as its
+    slowest device's units (a forward and a backward unit of ``L / (p v)`` layers each, the tail after the last
+    stage's forward), and its sends; its layers' own collectives once per layer and unit."""
+    prm = eq.eqn.params
+    n, k, _ = prm["counts"]
+    p = sizes[prm["axis"]]
+    m, depth = eq.choice.ins[n + k].shape[0], eq.choice.ins[0].shape[0]
+    sched = make_schedule(prm["kind"], p, m, prm["virtual"])
+    layers = depth // (p * prm["virtual"])
+
+    def unit_us(f):
+        return f["flops"] / machine.flops_per_us + f["written"] / machine.bytes_per_us + f["comm_us"]
+
+    forward, backward, tail = (unit_us(f) for f in bodies)
+    busy = (layers * forward * (sched.forward >= 0) + layers * backward * (sched.backward >= 0))
+    busy[:, -1] += tail * (sched.forward[:, -1] >= 0)
+    units = m * prm["virtual"] * layers
+    moved = sends + units * (bodies[0]["bytes"] + bodies[1]["bytes"]) + m * bodies[2]["bytes"]
+    return float(busy.max(axis=1).sum()), moved
 
 
 def _move_figures(move: MovePlan, links: CostModel, sizes: dict) -> dict[str, float]:
@@ -531,6 +612,8 @@ def _peak(plan: JaxprPlan, ours: dict[int, str], more: int) -> int:
         moved = (1 + more if kind == "own" else 1) * sum(
             t.local_bytes for op, t in zip(eq.operands, eq.choice.ins, strict=True)
             if isinstance(op.move, MovePlan) and op.move.steps)
+        if eq.eqn.primitive.name == "jshard_pipeline":
+            moved += _pipeline_held(eq)
         peak = max(peak, live + moved)
         for op in eq.operands:
             if not op.literal and last.get(op.value) == i and op.value in size and op.value not in ends:
@@ -539,6 +622,19 @@ def _peak(plan: JaxprPlan, ours: dict[int, str], more: int) -> int:
             if o is not None and o not in last and o not in ends:
                 live -= size.pop(o, 0)
     return peak
+
+
+def _pipeline_held(eq) -> int:
+    """What a pipeline holds while it runs besides its inputs and outputs: its kernel's buffers (per chunk,
+    ``slots`` microbatches' activations for each of the stash, the forward inputs and the backward inputs
+    received; ``jshard.parallel.schedule``), and the most its layer's forward, backward (recomputing the forward)
+    or tail holds at once."""
+    prm = eq.eqn.params
+    n, k, _ = prm["counts"]
+    x0 = eq.choice.ins[n + k]
+    sched = make_schedule(prm["kind"], x0.mesh.shape[prm["axis"]], x0.shape[0], prm["virtual"])
+    bodies = max(_peak(body, {}, 0) for _, body, _ in eq.bodies)
+    return 3 * prm["virtual"] * sched.slots * (x0.local_bytes // x0.shape[0]) + bodies
 
 
 def _shaped(mesh: Mesh, placements, shape, dtype) -> DArray:

@@ -56,7 +56,7 @@ def _compiled_bytes(step: TrainStep, plan: Plan, mesh) -> int:
     return int(m.argument_size_in_bytes + m.temp_size_in_bytes)
 
 
-@pytest.mark.parametrize("shape", mesh_params(default=((2, 4), (2, 2, 2), (1, 8), (1,))))
+@pytest.mark.parametrize("shape", mesh_params(shapes=((2, 4), (2, 2, 2), (1, 8), (1,)), default=((2, 4), (1,))))
 def test_the_plan_found_trains_like_one_device_and_its_memory_is_predicted(shape, one_device):
     mesh = make_mesh(shape)
     plan = autoplan(_make(), mesh, _loss, IDS, IDS, tx=optax.adamw(1e-2))
@@ -73,6 +73,17 @@ def test_the_plan_found_trains_like_one_device_and_its_memory_is_predicted(shape
         args.memory_analysis().argument_size_in_bytes
     ranked = [plan, *plan.runners_up]
     assert [p.step_us for p in ranked] == sorted(p.step_us for p in ranked)
+
+
+def test_a_pipelined_plan_found_trains_like_one_device(one_device):
+    mesh = make_mesh((2, 4))
+    plan = autoplan(_make(), mesh, _loss, IDS, IDS, tx=optax.adamw(1e-2), styles=("pp", "fsdp"))
+    piped = next(p for p in (plan, *plan.runners_up) if "pp" in p.roles.values())  # all three are priced
+    assert [type(s).__name__ for s in piped.styles["blocks"]] == ["PipelineParallel"]
+    losses, step = _trained(mesh, piped)
+    np.testing.assert_allclose(losses, one_device, rtol=2e-5)
+    measured = _compiled_bytes(step, piped, mesh)
+    assert 0.8 <= piped.memory.total / measured <= 1.25, (piped.name, piped.memory, measured)
 
 
 def test_a_budget_holds_and_one_no_plan_meets_is_refused_naming_it():
@@ -150,9 +161,10 @@ def test_the_dataflow_reads_which_side_each_layer_takes():
 
 @pytest.mark.parametrize("args,kwargs,error,match", [
     ((lambda: None,), {"memory_budget": -1}, ValueError, "memory_budget is bytes per device"),
-    ((lambda: None,), {"styles": ("pp",)}, ValueError, "styles are the roles"),
+    ((lambda: None,), {"styles": ("zero3",)}, ValueError, "styles are the roles"),
     ((lambda: None,), {"tx": optax.adamw}, TypeError, "tx must be an optax.GradientTransformation"),
     ((nnx.Linear(2, 2, rngs=nnx.Rngs(0)),), {}, TypeError, "make must be the model's constructor"),
+    ((lambda: None,), {}, TypeError, r"make\(\) must build an nnx.Module, it built None"),
 ])
 def test_autoplan_refuses_bad_arguments_naming_them(args, kwargs, error, match):
     with pytest.raises(error, match=match):

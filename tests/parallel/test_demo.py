@@ -117,6 +117,7 @@ def test_the_demo_trains_with_the_plan_autoplan_finds(capsys):
     assert "no memory budget" in table and "of the rounding bound -> OK" in out
 
 
+@pytest.mark.slow  # the default suite resumes under other plans and trains with autoplan's (above)
 def test_a_checkpoint_resumes_under_the_plan_autoplan_finds(capsys, tmp_path):
     """Checkpoints hold values, not plans: a DP2 x TP4 run's resumes under ``--style auto``, here on one device (the
     only plan there is data parallelism over the one device), and goes on like one device."""
