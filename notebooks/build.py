@@ -602,6 +602,87 @@ mem_ax.set_xlabel("microbatches"); mem_ax.set_ylabel("MB of temporaries per devi
 plt.tight_layout(); plt.show()
 assert temps["1f1b", 16] < temps["gpipe", 16]
 assert temps["1f1b", 16] - temps["1f1b", 4] < temps["gpipe", 16] - temps["gpipe", 4]'''),
+    ("md", "## Automatic plans\n"
+           "`autoplan(make, mesh, loss_fn, *batch, memory_budget=)` finds the plan instead of being told it: it gives "
+           "each mesh axis a role (here `styles=(\"dp\", \"fsdp\", \"tp\")`: the batch split with the parameters "
+           "replicated, or sharded and gathered where used, or Megatron's tensor parallelism), prices every assignment "
+           "on the training step traced on parameters that hold only their specs (nothing is built), and returns the "
+           "fastest whose predicted memory per device fits the budget. The GPT of the context-parallel section (one "
+           "block, 8 rows) on a (2, 4) mesh whose axes are named `a` and `b`, since the plan gives them their roles, "
+           "under a shrinking budget: none first, then each budget just under the predicted memory of the plan found "
+           "at the one before, down to 20% of the data-parallel plan's (`dp(a)+dp(b)`), or until no plan fits "
+           "(autoplan then says so, naming the smallest). Every plan found is checked against the first search, which "
+           "priced them all: it is the fastest of those that fit."),
+    ("code", '''from jshard.parallel import autoplan
+
+V, D, H, L, S, BATCH = 64, 32, 4, 1, 64, 8
+make = lambda: GPT(V, D, H, L, S, rngs=nnx.Rngs(0))
+ab = jax.make_mesh((2, 4), ("a", "b"), devices=devices[:8])
+ids_shape = jax.ShapeDtypeStruct((BATCH, S), jnp.int32)  # the batch at its global shape
+roles = ("dp", "fsdp", "tp")
+
+
+def search(budget):
+    return autoplan(make, ab, loss_fn, ids_shape, ids_shape, tx=tx, memory_budget=budget, styles=roles,
+                    runners_up=len(roles) ** 2)
+
+
+free = search(None)
+every = [free, *free.runners_up]  # with no budget every plan fits: all it priced, fastest first
+floor = int(0.2 * next(p for p in every if set(p.roles.values()) == {"dp"}).memory.total)
+print(free.explain(), "\\n")
+print(f"{\'budget\':>12}  {\'plan found\':<16} {\'step ms\':>8} {\'MB\':>6}")
+found, budget = {}, None
+while True:
+    fits = [p for p in every if budget is None or p.memory.total <= budget]
+    label = "none" if budget is None else f"{budget / MB:.3f} MB"
+    try:
+        chosen = free if budget is None else search(budget)
+    except ValueError as e:
+        assert not fits and "no plan fits" in str(e)
+        print(f"{label:>12}  {e}")
+        break
+    assert chosen.step_us == min(p.step_us for p in fits) and (budget is None or chosen.memory.total <= budget)
+    found[chosen.name] = chosen
+    print(f"{label:>12}  {chosen.name:<16} {chosen.step_us / 1e3:8.2f} {chosen.memory.total / MB:6.3f}")
+    if budget == floor:
+        break
+    budget = max(chosen.memory.total - 1, floor)
+assert len(found) >= 2 and list(found.values())[-1].memory.total < free.memory.total'''),
+    ("md", "Each plan found, built and trained from the same parameters and batch as one device: its first loss "
+           "matches one device's. Beside its predictions, XLA's memory analysis of its compiled step (arguments and "
+           "temporaries, what the predicted memory counts) and the median of 3 steps (the emulated devices share "
+           "this machine's cores, so the measured times compare the work per step; the prediction prices them by "
+           "rates autoplan measured on these devices). Left: every plan priced, the ones found in colour."),
+    ("code", '''ids, labels = rng.integers(0, V, (2, BATCH, S)).astype(np.int32)
+first = one_device_trainer(make(), tx, loss_fn)(ids, labels)
+measured = {}
+for name, p in found.items():
+    step = TrainStep(parallelize(make, ab, p), tx, loss_fn)  # parallelize takes the Plan: its styles and default
+    batch = [jshard.distribute(a, ab, placements) for a, placements in zip((ids, labels), p.batch, strict=True)]
+    memory = compiled_mb(step.lower(*batch).compile())
+    loss = float(step(*batch))
+    assert curve_ratio([loss], [first], n_per_step=summed_terms(V, D, L, S, BATCH)) <= 1
+    measured[name] = (memory, median_seconds(lambda: float(step(*batch))) * 1e3)
+    print(f"{name:<16} predicted {p.memory.total / MB:.3f} MB {p.step_us / 1e3:6.2f} ms   compiled {memory:.3f} MB, "
+          f"measured {measured[name][1]:6.2f} ms   first loss {loss:.5f} (one device {first:.5f})")
+fig, (space, mem, secs) = plt.subplots(1, 3, figsize=(14, 3.4))
+space.scatter([p.memory.total / MB for p in every], [p.step_us / 1e3 for p in every], color="lightgray",
+              label="every plan priced")
+for name, p in found.items():
+    space.scatter(p.memory.total / MB, p.step_us / 1e3, label=name)
+space.set_xlabel("predicted MB per device"); space.set_ylabel("predicted ms per step"); space.legend(fontsize=7)
+x = np.arange(len(found))
+mem.bar(x - 0.2, [p.memory.total / MB for p in found.values()], 0.4, label="predicted")
+mem.bar(x + 0.2, [m for m, _ in measured.values()], 0.4, label="compiled")
+secs.bar(x - 0.2, [p.step_us / 1e3 for p in found.values()], 0.4, label="predicted")
+secs.bar(x + 0.2, [t for _, t in measured.values()], 0.4, label="measured")
+for ax, unit in ((mem, "MB per device"), (secs, "ms per step")):
+    ax.set_xticks(x, list(found), fontsize=7, rotation=15); ax.set_ylabel(unit); ax.legend(fontsize=7)
+plt.tight_layout(); plt.show()
+first_mb, last_mb = measured[next(iter(found))][0], measured[list(found)[-1]][0]
+print(f"the tightest budget's plan compiles to {last_mb / first_mb:.0%} of the unconstrained plan's memory")
+assert last_mb < first_mb'''),
 ]
 
 NOTEBOOKS = {"01_placements.ipynb": PLACEMENTS, "02_flax_tensor_parallel.ipynb": FLAX,

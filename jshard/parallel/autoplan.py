@@ -105,6 +105,8 @@ def autoplan(make: Callable[[], nnx.Module], mesh: Mesh, loss_fn: Callable, *bat
     """
     start = time.perf_counter()
     _check_args(make, mesh, loss_fn, batch, tx, memory_budget, styles)
+    if isinstance(runners_up, bool) or not isinstance(runners_up, int) or runners_up < 0:
+        raise ValueError(f"autoplan: runners_up is how many next-best plans to keep, an int >= 0, got {runners_up!r}")
     tx = optax.adamw(1e-3) if tx is None else tx
     styles = tuple(styles or ROLES)
     batch = tuple(jax.ShapeDtypeStruct(np.shape(b), b.dtype) for b in batch)
@@ -136,7 +138,7 @@ def autoplan(make: Callable[[], nnx.Module], mesh: Mesh, loss_fn: Callable, *bat
     fits.sort(key=lambda p: p.step_us)
     best, rest = fits[0], tuple(fits[1:1 + runners_up])
     return dataclasses.replace(best, runners_up=rest, rejected=tuple(rejected), budget=memory_budget,
-                    solve_s=time.perf_counter() - start)
+                               solve_s=time.perf_counter() - start)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -627,13 +629,14 @@ def _peak(plan: JaxprPlan, ours: dict[int, str], more: int) -> int:
 def _pipeline_held(eq) -> int:
     """What a pipeline holds while it runs besides its inputs and outputs: its kernel's buffers (per chunk,
     ``slots`` microbatches' activations for each of the stash, the forward inputs and the backward inputs
-    received; ``jshard.parallel.schedule``), and the most its layer's forward, backward (recomputing the forward)
-    or tail holds at once."""
+    received; ``jshard.parallel.schedule``), and at their peaks its layer's forward or backward (recomputing the
+    forward) and its tail."""
     prm = eq.eqn.params
     n, k, _ = prm["counts"]
     x0 = eq.choice.ins[n + k]
     sched = make_schedule(prm["kind"], x0.mesh.shape[prm["axis"]], x0.shape[0], prm["virtual"])
-    bodies = max(_peak(body, {}, 0) for _, body, _ in eq.bodies)
+    forward, backward, tail = (_peak(body, {}, 0) for _, body, _ in eq.bodies)
+    bodies = max(forward, backward) + tail  # the last stage's tick runs the tail beside a unit
     return 3 * prm["virtual"] * sched.slots * (x0.local_bytes // x0.shape[0]) + bodies
 
 
