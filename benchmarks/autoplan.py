@@ -70,6 +70,7 @@ import jshard  # noqa: E402
 from jshard import Replicate, Shard  # noqa: E402
 from jshard.gpt import GPT, one_device_trainer, plan, summed_terms  # noqa: E402
 from jshard.parallel import Plan, TrainStep, autoplan, parallelize  # noqa: E402
+from jshard.parallel.plan import role_names  # noqa: E402
 from jshard.validate.tolerance import curve_ratio  # noqa: E402
 from report import write_json  # noqa: E402
 
@@ -108,16 +109,6 @@ def hand_roles(style: str, sizes: dict[str, int]) -> dict[str, str] | None:
         free.remove(axis)
         roles[axis] = role
     return roles
-
-
-def plan_name(roles: dict[str, str]) -> str:
-    """Roles as ``Plan.name`` writes them, one ``role(axis)`` per mesh axis: a hand plan and a found plan that
-    give the axes the same roles have the same name.
-
-    >>> plan_name({"a": "dp", "b": "tp"})
-    'dp(a)+tp(b)'
-    """
-    return "+".join(f"{role}({axis})" for axis, role in roles.items())
 
 
 def batches(size: str, count: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -194,17 +185,17 @@ def measure(size: str, mesh_shape: Sequence[int], *, layers: int = 2, budgets: S
     sides: dict[str, Side] = {}
     for style in dict.fromkeys(("dp", *hands)):
         roles = hand_roles(style, sizes)
-        if roles is None or plan_name(roles) in sides:
+        if roles is None or role_names(roles) in sides:
             continue  # the mesh has too few axes for the style, or another style gave the axes these roles
         why = _not_applicable(roles, sizes, layers, batch)
         if why:
-            log(f"{where}: hand plan {style} ({plan_name(roles)}) does not apply: {why}")
+            log(f"{where}: hand plan {style} ({role_names(roles)}) does not apply: {why}")
             continue
-        log(f"{where}: hand plan {style} ({plan_name(roles)}): building and compiling")
+        log(f"{where}: hand plan {style} ({role_names(roles)}): building and compiling")
         styles, default, placements = _hand_plan(style, roles, sizes, seq, batch)
-        sides[plan_name(roles)] = _side(plan_name(roles), style, roles, make, mesh, styles, default, placements,
+        sides[role_names(roles)] = _side(role_names(roles), style, roles, make, mesh, styles, default, placements,
                                         tx, data, log, where)
-    replicated = sides[plan_name(dict.fromkeys(names, "dp"))]
+    replicated = sides[role_names(dict.fromkeys(names, "dp"))]
     if replicated.status != "ran":
         raise RuntimeError(f"measure: the replicated plan does not run on {where}: {replicated.status}")
     base = replicated.figures["memory"]["total"]

@@ -60,7 +60,7 @@ from ..placements import Placement, Replicate, Shard
 from ..planner import Plan as MovePlan
 from ..spec import Spec
 from .parallelize import kind_of, parallelize_shapes
-from .plan import Memory, Plan
+from .plan import Memory, Plan, role_names
 from .schedule import make_schedule
 from .styles import (
     ColwiseParallel,
@@ -71,7 +71,7 @@ from .styles import (
     RowwiseParallel,
     SequenceParallel,
 )
-from .training import _mirror, step_function
+from .training import _check_tx, _mirror, step_function
 
 __all__ = ["ROLES", "autoplan"]
 
@@ -120,7 +120,7 @@ def autoplan(make: Callable[[], nnx.Module], mesh: Mesh, loss_fn: Callable, *bat
     priced, rejected, traces = [], [], {}
     depth = len(list(_at(model, blocks))) if blocks is not None else 0
     for roles in _candidates(mesh, styles, batch, depth):
-        name = "+".join(f"{r}({a})" for a, r in roles.items())
+        name = role_names(roles)
         try:
             priced.append(_priced(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, machine, traces))
         except Exception as e:  # a role the model cannot take on this mesh (a dim the axis does not divide, ...)
@@ -162,9 +162,8 @@ def _check_args(make, mesh, loss_fn, batch, tx, budget, styles) -> None:
         if not (hasattr(b, "shape") and hasattr(b, "dtype")) or isinstance(b, DArray):
             raise TypeError(f"autoplan: batch input {i} must be an array or a jax.ShapeDtypeStruct at global shape, "
                             f"got {kind_of(b)}")
-    if tx is not None and not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
-        raise TypeError(f"autoplan: tx must be an optax.GradientTransformation (say optax.adamw(1e-3)), got "
-                        f"{kind_of(tx)}")
+    if tx is not None:
+        _check_tx(tx, "autoplan")
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, np.integer))
                                or budget <= 0):
         raise ValueError(f"autoplan: memory_budget is bytes per device, a positive int (say 2 * 2**30), got "

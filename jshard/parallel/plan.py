@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 from ..placements import Placement, format_placements
 from .styles import ParallelStyle
 
-__all__ = ["Memory", "Plan"]
+__all__ = ["Memory", "Plan", "role_names"]
 
 
 class Memory(NamedTuple):
@@ -60,7 +60,7 @@ class Plan:
     @property
     def name(self) -> str:
         """The roles as one word per axis, ``"fsdp(dp)+tp(tp)"``."""
-        return "+".join(f"{role}({axis})" for axis, role in self.roles.items())
+        return role_names(self.roles)
 
     def explain(self) -> str:
         """The chosen style of every module, the predicted figures, and the runners-up with theirs."""
@@ -85,6 +85,15 @@ class Plan:
             lines.append("  left out:")
             lines.extend(f"    {name:<28} {why}" for name, why in self.rejected)
         return "\n".join(lines)
+
+
+def role_names(roles: dict[str, str]) -> str:
+    """A role assignment as one word per axis.
+
+    >>> role_names({"dp": "fsdp", "tp": "tp"})
+    'fsdp(dp)+tp(tp)'
+    """
+    return "+".join(f"{role}({axis})" for axis, role in roles.items())
 
 
 def _style(s: ParallelStyle) -> str:
