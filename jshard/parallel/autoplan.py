@@ -681,14 +681,13 @@ def _measured(devices: tuple) -> Machine:
     n = len(devices)
     split, whole = NamedSharding(mesh, PartitionSpec("d")), NamedSharding(mesh, PartitionSpec())
     rows, k = 256, 512
-    a = jax.device_put(jnp.ones((n * rows, k), jnp.float32), split)
-    b = jax.device_put(jnp.ones((k, k), jnp.float32), whole)
+    a, b = _ones((n * rows, k), split), _ones((k, k), whole)
     matmul = _seconds(jax.jit(lambda a, b: (a @ b) @ b), a, b)
-    big = jax.device_put(jnp.ones((n * 2**20,), jnp.float32), split)
+    big = _ones((n * 2**20,), split)
     write = _seconds(jax.jit(lambda x: x * 2.0 + 1.0), big)
     if n > 1:
         def summed(size):
-            x = jax.device_put(jnp.ones((n * size,), jnp.float32), split)
+            x = _ones((n * size,), split)
             f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "d"), mesh=mesh, in_specs=PartitionSpec("d"),
                                       out_specs=PartitionSpec("d")))
             return _seconds(f, x) * 1e6
@@ -706,6 +705,11 @@ def _measured(devices: tuple) -> Machine:
         links = CostModel(launch_us=0.0, default=AxisCost(latency_us=small / (2 * (n - 1)),
                                                           bandwidth_gbps=volume / max(large - small, 1e-3) / 1e3))
     return Machine(flops, written, links)
+
+
+def _ones(shape: tuple, sharding: NamedSharding) -> jax.Array:
+    """Ones made where ``sharding`` puts them: each device makes its own block, no device or host the whole."""
+    return jax.jit(lambda: jnp.ones(shape, jnp.float32), out_shardings=sharding)()
 
 
 def _seconds(f: Callable, *args) -> float:
