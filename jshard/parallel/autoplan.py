@@ -55,7 +55,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ..cost import COLLECTIVES, AxisCost, CostModel
 from ..darray import DArray
 from ..engine import JaxprPlan, out_moves, own_collectives, shared_trace
-from ..jaxcompat import jc
+from ..jaxcompat import constructing, jc
 from ..placements import Placement, Replicate, Shard
 from ..planner import Plan as MovePlan
 from ..spec import Spec
@@ -110,7 +110,8 @@ def autoplan(make: Callable[[], nnx.Module], mesh: Mesh, loss_fn: Callable, *bat
     tx = optax.adamw(1e-3) if tx is None else tx
     styles = tuple(styles or ROLES)
     batch = tuple(jax.ShapeDtypeStruct(np.shape(b), b.dtype) for b in batch)
-    model = nnx.eval_shape(make)
+    with constructing():
+        model = nnx.eval_shape(make)
     if not isinstance(model, nnx.Module):
         raise TypeError(f"autoplan: make() must build an nnx.Module, it built {kind_of(model)}; pass the model's "
                         "constructor, lambda: GPT(cfg, rngs=nnx.Rngs(0))")

@@ -51,7 +51,7 @@ from jax.sharding import Mesh
 
 from ..api import jit
 from ..darray import DArray
-from ..jaxcompat import jc, open_jaxpr, source_info_util
+from ..jaxcompat import constructing, jc, open_jaxpr, source_info_util
 from ..operators import stack
 
 __all__ = ["Constructor", "initialise", "stack_members", "trace_constructor"]
@@ -88,7 +88,8 @@ def trace_constructor(build: Callable[[], nnx.Module]) -> Constructor:
         made["graphdef"], state = nnx.split(module)
         return (*_split(module), state)
 
-    closed, (_, other, state) = jax.make_jaxpr(run, return_shape=True)()
+    with constructing():
+        closed, (_, other, state) = jax.make_jaxpr(run, return_shape=True)()
     if "graphdef" not in made:
         raise TypeError(f"parallelize: the constructor returned {type(made['module']).__name__}, not a Flax "
                         "nnx.Module")

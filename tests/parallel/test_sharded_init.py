@@ -302,3 +302,24 @@ def test_parameters_whose_slices_cannot_be_shared(compiled):
     model = parallelize(build, mesh, default=FullyShard("x"))
     assert sorted(compiled) == [1, 1, 6], compiled  # a, b and c's biases; b and c's kernels; the rest
     assert_as_before(build, mesh, model, default=FullyShard("x"))
+
+
+def test_tracing_a_constructor_never_walks_the_trace_for_an_error_message(monkeypatch):
+    """Flax reads ``getattr(value, "sharding", None)`` on every random draw; before jax 0.12 the AttributeError's
+    message walked every equation traced so far, making a deep model's constructor quadratic in its depth."""
+    from jax.interpreters import partial_eval as pe
+
+    from jshard.parallel.initialise import trace_constructor
+
+    walks = []
+    original = pe.DynamicJaxprTracer._origin_msg
+    monkeypatch.setattr(pe.DynamicJaxprTracer, "_origin_msg", lambda self: walks.append(1) or original(self))
+    trace_constructor(lambda: GPT(64, 16, 2, 4, 8, rngs=nnx.Rngs(0)))
+    assert walks == []
+
+    def f(x):  # the class is as JAX made it again: an error outside a constructor still names its origin
+        getattr(x, "sharding", None)
+        return x
+
+    jax.make_jaxpr(f)(1.0)
+    assert "sharding" not in vars(pe.DynamicJaxprTracer)
