@@ -83,7 +83,9 @@ def parallelize(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh,
     matching a module applies to it, its styles on different mesh axes composing; two that give one module
     different styles on one mesh axis are refused as a conflict; ``""`` is the model itself; ``*`` also matches
     ``/``; a ``FullyShard`` also takes the parameters of the modules inside its own, gathering them together);
-    ``default``: styles applied to every parameter first (say ``FullyShard("dp")``); ``rules``:
+    ``default``: styles applied to every parameter first (say ``FullyShard("dp")``), a module's own style on the
+    same mesh axis replacing the default's there (``{"blocks/0*": DataParallel("dp")}``: block 0 replicated);
+    ``rules``:
     ``(logical name, mesh axis)`` pairs resolving ``nnx.with_partitioning`` names. The parameters stay DArrays
     through ``nnx.split`` / ``nnx.merge`` / ``nnx.state`` and ``jshard.jit``.
 
@@ -281,12 +283,13 @@ def _match(model: nnx.Module, mesh: Mesh, plan: dict[str, tuple[ParallelStyle, .
         patterns = [p for p in plan if fnmatch.fnmatchcase(key, p)]
         used.update(patterns)
         styles[path] = _matched(plan, patterns, key)
-        _check_axes(default + styles[path], names, mesh, key)
+        _check_axes(styles[path], names, mesh, key)  # a module's own style on an axis replaces the default's there
         constrains = [s for s in styles[path] if s.constrains]
         if constrains and not callable(module):
             raise ValueError(f"parallelize: {constrains[0]} at {key or 'the root module'} constrains the input and "
                              f"output of {type(module).__name__}, which is never called (it has no __call__); match "
                              "the modules inside it instead (say 'blocks/*')")
+    _check_axes(default, names, mesh, "default=")
     unused = [p for p in plan if p not in used]
     if unused:
         raise ValueError(f"parallelize: plan pattern(s) {unused} match no module; module paths are "
@@ -489,7 +492,7 @@ def _check_axes(styles, names, mesh, where) -> None:
         if s.axis not in names:
             raise ValueError(f"parallelize: {s} at {where or 'the root module'} names mesh axis {s.axis!r}, but the "
                              f"mesh is {format_mesh(mesh)}; pass axis= one of {names}")
-        if s.axis in seen and seen[s.axis] != s:  # the default's FullyShard matched again: it marks a unit
+        if s.axis in seen and seen[s.axis] != s:  # one style named twice counts once
             raise ValueError(f"parallelize: {seen[s.axis]} and {s} both place {where or 'the root module'} on mesh "
                              f"axis {s.axis!r}; give each axis one style")
         seen[s.axis] = s

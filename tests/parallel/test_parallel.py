@@ -16,6 +16,7 @@ from jshard import Replicate, Shard, StridedShard
 from jshard.gpt import GPT, cross_entropy, one_device_trainer, plan, summed_terms
 from jshard.parallel import (
     ColwiseParallel,
+    DataParallel,
     FullyShard,
     ParallelStyle,
     RowwiseParallel,
@@ -81,6 +82,27 @@ def test_fsdp_inside_tp_gathers_and_reduce_scatters_with_one_collective_each():
     ours = [float(step(*data)) for _ in range(2)]
     theirs = [reference(jnp.asarray(ids), jnp.asarray(labels)) for _ in range(2)]
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
+
+
+def test_a_module_own_style_replaces_the_default_on_its_axis():
+    """``default=FullyShard("dp")`` with ``{"blocks/0*": DataParallel("dp")}``: block 0 keeps its parameters
+    replicated on dp (never gathered), every other module is sharded there, and the step trains as one device."""
+    mesh = make_mesh((2, 4))
+    p, _ = plan("tp")
+    model = parallelize(gpt(), mesh, {**p, "blocks/0*": DataParallel("dp")}, default=FullyShard("dp"))
+    assert model.blocks[0].q.kernel.get_value().placements == (R, Shard(1))
+    assert model.blocks[0].ln1.scale.get_value().placements == (R, R)
+    assert model.blocks[1].q.kernel.get_value().placements == (Shard(0), Shard(1))
+    assert model.tok.embedding.get_value().placements[0] != R  # FSDP inside the vocabulary split
+    step = TrainStep(model, optax.sgd(0.1), loss_fn)
+    ids, labels = batch()
+    data = [jshard.distribute(a, mesh, [Shard(0), R]) for a in (ids, labels)]
+    reference = one_device_trainer(gpt(), optax.sgd(0.1), loss_fn)
+    ours = [float(step(*data)) for _ in range(2)]
+    theirs = [reference(jnp.asarray(ids), jnp.asarray(labels)) for _ in range(2)]
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"FullyShard.* and DataParallel.* both place default= on mesh axis 'dp'"):
+        parallelize(gpt(), mesh, default=(FullyShard("dp"), DataParallel("dp")))
 
 
 @pytest.mark.parametrize("units,collectives", [("blocks", L), ("root and one block", 2),
