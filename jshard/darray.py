@@ -37,7 +37,7 @@ from .placements import Placement, Replicate, format_placements
 from .planner import check_cost_model, plan_redistribute
 from .spec import Spec, block_sharding, check_dtype, check_mesh, format_mesh
 
-__all__ = ["DArray", "DeletedArrayError", "adopt", "distribute", "from_jax", "from_local", "from_process_local",
+__all__ = ["DArray", "DeletedArrayError", "abstract", "adopt", "distribute", "from_jax", "from_local", "from_process_local",
            "index_runs", "local_blocks", "on_devices", "process_rows", "rows_start", "same_devices", "shape_from_rows",
            "to_devices"]
 
@@ -205,6 +205,22 @@ class DArray:
 
 # ---------------------------------------------------------------------------------------------------
 # constructors
+
+
+def abstract(spec: Spec) -> DArray:
+    """A DArray holding its spec alone: its block a ``jax.ShapeDtypeStruct`` of the block storage (shape, dtype and
+    sharding), no value. Enough to trace, plan and lower a ``jshard.jit`` program (``parallelize_shapes``'s
+    parameters; ``autoplan`` prices and compiles plans on them), never to run one.
+
+    >>> import jax, jax.numpy as jnp
+    >>> mesh = jax.make_mesh((8,), ("x",))
+    >>> from jshard import Replicate, Shard
+    >>> abstract(Spec.create(mesh, [Shard(0)], (16, 4), jnp.float32)).block.shape
+    (16, 4)
+    >>> abstract(Spec.create(mesh, [Replicate()], (3,), jnp.float32)).block.shape  # every device a whole copy
+    (24,)
+    """
+    return DArray(jax.ShapeDtypeStruct(spec.block_shape, spec.dtype, sharding=block_sharding(spec.mesh)), spec)
 
 
 def distribute(x, mesh: Mesh, placements: Sequence[Placement]) -> DArray:

@@ -53,7 +53,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..cost import COLLECTIVES, AxisCost, CostModel
-from ..darray import DArray
+from ..darray import DArray, abstract
 from ..engine import JaxprPlan, out_moves, own_collectives, shared_trace
 from ..jaxcompat import constructing, jc
 from ..placements import Placement, Replicate, Shard
@@ -641,7 +641,7 @@ def _pipeline_held(eq) -> int:
 
 
 def _shaped(mesh: Mesh, placements, shape, dtype) -> DArray:
-    return DArray(jax.ShapeDtypeStruct(shape, dtype), Spec.create(mesh, placements, shape, dtype))
+    return abstract(Spec.create(mesh, placements, shape, dtype))
 
 
 def _darrays(tree) -> list[DArray]:

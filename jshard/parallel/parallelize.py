@@ -48,7 +48,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ..api import constrain, jit
 from ..arguments import is_darray
 from ..caches import memo
-from ..darray import DArray, distribute
+from ..darray import DArray, abstract, distribute
 from ..jaxcompat import source_info_util
 from ..placements import Placement, Replicate
 from ..spec import Spec, format_mesh, shard_order
@@ -131,9 +131,8 @@ def parallelize(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh,
 def parallelize_shapes(model: nnx.Module, mesh: Mesh, plan: Mapping[str, Any] | None = None, *,
                        default: ParallelStyle | Sequence[ParallelStyle] = ()) -> nnx.Module:
     """``parallelize`` for an abstract module (``nnx.eval_shape``'s, shapes in place of values), changed in place:
-    each parameter becomes a DArray that holds its spec and, as its block, a ``jax.ShapeDtypeStruct`` of its
-    global shape. Enough to trace and plan a training step (``jshard.jit(...).trace``; ``autoplan`` prices plans
-    so), never to run one."""
+    each parameter becomes a DArray that holds its spec alone (``jshard.darray.abstract``). Enough to trace, plan
+    and lower a training step (``jshard.jit(...).trace``; ``autoplan`` prices plans so), never to run one."""
     plan, default = _plan(plan), _styles(default, "default=")
     matched = _match(model, mesh, plan, default)
     pipelines = _pipelines(matched, mesh)
@@ -141,7 +140,7 @@ def parallelize_shapes(model: nnx.Module, mesh: Mesh, plan: Mapping[str, Any] | 
     units = _units(matched, params)
 
     def shaped(shape, dtype, placements):
-        return DArray(jax.ShapeDtypeStruct(shape, dtype), Spec.create(mesh, placements, shape, dtype))
+        return abstract(Spec.create(mesh, placements, shape, dtype))
 
     values = [shaped(p.value.shape, p.value.dtype, p.placements) for p in params]
     for members, placements in _stacks(params, pipelines, mesh):
