@@ -137,6 +137,13 @@ def autoplan(make: Callable[[], nnx.Module], mesh: Mesh, loss_fn: Callable, *bat
                          f"predicted; raise the budget, add devices, or shrink the batch")
     rejected += [(p.name, f"over the budget: {p.memory.total:,} bytes predicted") for p in priced if p not in fits]
     fits.sort(key=lambda p: p.step_us)
+    if memory_budget is not None:
+        fits, over = _checked(fits, memory_budget, model, blocks, mesh, loss_fn, batch, tx)
+        rejected += over
+        if not fits:
+            raise ValueError(f"autoplan: no plan fits memory_budget={memory_budget:,} bytes per device on mesh "
+                             f"{dict(mesh.shape)} once compiled: " + "; ".join(f"{n}: {w}" for n, w in over)
+                             + "; raise the budget, add devices, or shrink the batch")
     best, rest = fits[0], tuple(fits[1:1 + runners_up])
     return dataclasses.replace(best, runners_up=rest, rejected=tuple(rejected), budget=memory_budget,
                                solve_s=time.perf_counter() - start)
@@ -355,7 +362,8 @@ def _priced(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, machine: Mac
 
     It is priced on the mesh with its axes renamed by role (``dp0``, ``fsdp0``, ``tp0``, ...) and put in the order of
     those names (the devices transposed with them, so each axis holds the same devices): every candidate with the
-    same roles then traces the same step, which ``traces`` keeps, and only its plan is made again."""
+    same roles then traces the same step, which ``traces`` keeps (and the model cut), and only its plan is made
+    again."""
     names, canonical = _canonical(mesh, roles)
     canonical_roles = {names[a]: r for a, r in roles.items()}
     depth = len(list(_at(model, blocks))) if blocks is not None else 1
@@ -369,8 +377,13 @@ def _priced(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, machine: Mac
     # a pipeline's step is one equation whatever its depth (its blocks stacked): it is priced whole
     scoped = None if stages else blocks
     cut = depth if stages else min(depth, 2)
-    total, block = _figures(_cut(model, scoped, cut), scoped, cut, depth - cut, canonical, plan, default, loss_fn,
+    if ("cut", scoped, cut) not in traces:  # cutting a deep model costs more than copying the cut one
+        traces["cut", scoped, cut] = _cut(model, scoped, cut)
+    small = nnx.merge(*nnx.split(traces["cut", scoped, cut]), copy=True)  # parallelize_shapes changes it
+    total, block = _figures(small, scoped, cut, depth - cut, canonical, plan, default, loss_fn,
                             batch, placements, tx, machine, traces, shape)
+    at_cut = (total["params"] * 2 + total["optimizer"] + total["batch"]
+              + max(total["cut_temps"] - total["params"], 0))  # the Memory of the cut model itself
     total = {k: v + (depth - cut) * block.get(k, 0.0) for k, v in total.items()}
     compute_us = (total["flops"] / machine.flops_per_us + total["written"] / machine.bytes_per_us
                   + total["pipeline_us"])
@@ -379,7 +392,8 @@ def _priced(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, machine: Mac
     plan, default = _styles_of(roles, tensor, blocks, micro)
     return Plan(roles=dict(roles), styles=plan, default=default, batch=_batch_placements(mesh, roles, batch),
                 step_us=compute_us + total["comm_us"], bytes_moved=int(total["bytes"]), memory=memory,
-                detail={"compute_us": compute_us, "comm_us": total["comm_us"], "flops": total["flops"]})
+                detail={"compute_us": compute_us, "comm_us": total["comm_us"], "flops": total["flops"],
+                        "cut": cut, "depth": depth, "cut_bytes": int(at_cut)})
 
 
 def _canonical(mesh: Mesh, roles: dict[str, str]) -> tuple[dict[str, str], Mesh]:
@@ -409,11 +423,7 @@ def _figures(model, blocks, cut, more, mesh, plan, default, loss_fn, batch, plac
     more; its peak memory is found with ``more`` blocks more (``_peak``). The step's jaxpr is shared
     with the candidates of the same ``key`` whose parameters have the same placements (their gradients are pinned
     there, so the placements are in the jaxpr)."""
-    parallelize_shapes(model, mesh, plan, default=default)
-    params = nnx.state(model, nnx.Param)
-    rest = nnx.split(model, nnx.Param, ...)[2]
-    opt = _optimizer_state(tx, params, mesh)
-    data = [_shaped(mesh, p, b.shape, b.dtype) for p, b in zip(placements, batch, strict=True)]
+    params, opt, rest, data = _step_inputs(model, mesh, plan, default, placements, batch, tx)
     pinned = tuple(d.placements for d in _darrays(params))
     with shared_trace(traces, (key, pinned, blocks, cut)):
         traced = step_function(model, tx, loss_fn).trace(params, opt, rest, *data)
@@ -444,7 +454,43 @@ def _figures(model, blocks, cut, more, mesh, plan, default, loss_fn, batch, plac
                 if j in own:
                     block[k] = block.get(k, 0.0) + v
     total["temps"] = _peak(plan_, ours, more)
+    total["cut_temps"] = _peak(plan_, ours, 0) if more else total["temps"]
     return total, block
+
+
+def _step_inputs(model, mesh, plan, default, placements, batch, tx) -> tuple:
+    """The training step's arguments for the abstract ``model`` (changed in place) under a plan, holding specs
+    alone: parameters, optimizer state, other state, batch."""
+    parallelize_shapes(model, mesh, plan, default=default)
+    params = nnx.state(model, nnx.Param)
+    rest = nnx.split(model, nnx.Param, ...)[2]
+    opt = _optimizer_state(tx, params, mesh)
+    data = [_shaped(mesh, p, b.shape, b.dtype) for p, b in zip(placements, batch, strict=True)]
+    return params, opt, rest, data
+
+
+def _checked(fits: list[Plan], budget: int, model, blocks, mesh, loss_fn, batch, tx) -> tuple[list[Plan], list]:
+    """``fits`` (fastest first) from the first whose compiled step fits ``budget``, that one carrying its compiled
+    bytes, and the ones before it, rejected with theirs. The prediction cannot see how XLA schedules and lays out
+    the step's buffers (a collective's result kept, a gather's index arrays), so the compiler has the last word.
+
+    A plan is compiled at the depth it was priced at (two blocks; a pipeline whole), on parameters that hold only
+    their specs: arguments plus temporaries per device, as ``memory_analysis`` gives them, and the share the
+    prediction adds for the further blocks."""
+    over = []
+    for i, p in enumerate(fits):
+        cut = p.detail["cut"]
+        small = _cut(model, blocks if cut < p.detail["depth"] else None, cut)
+        args = _step_inputs(small, mesh, p.styles, p.default, p.batch, batch, tx)
+        memory = step_function(small, tx, loss_fn).lower(*args[:3], *args[3]).compile().memory_analysis()
+        if memory is None:  # a backend that does not say: the prediction stands
+            return fits[i:], over
+        compiled = int(memory.argument_size_in_bytes + memory.temp_size_in_bytes
+                       + p.memory.total - p.detail["cut_bytes"])
+        if compiled <= budget:
+            return [dataclasses.replace(p, compiled_bytes=compiled), *fits[i + 1:]], over
+        over.append((p.name, f"over the budget compiled: {compiled:,} bytes (predicted {p.memory.total:,})"))
+    return [], over
 
 
 def _within(path: tuple, prefix: tuple) -> bool:

@@ -41,7 +41,9 @@ class Plan:
     (communication by the cost model, computation by the measured rate of the devices); ``bytes_moved``: bytes
     a device sends in collectives per step; ``memory``: predicted bytes per device; ``runners_up``: the next best
     plans that fit, best first; ``rejected``: the plans that did not fit or could not run, with why;
-    ``solve_s``: seconds the search took.
+    ``solve_s``: seconds the search took; ``compiled_bytes``: under a budget, the compiled step's bytes per
+    device (``memory_analysis``'s arguments and temporaries, at the depth the plan was priced at, the further
+    blocks' predicted share added), checked against the budget; None without one (runners-up are not compiled).
     """
 
     roles: dict[str, str]
@@ -56,6 +58,7 @@ class Plan:
     budget: int | None = None
     solve_s: float = 0.0
     detail: dict[str, Any] = field(default_factory=dict, compare=False)
+    compiled_bytes: int | None = None
 
     @property
     def name(self) -> str:
@@ -72,6 +75,8 @@ class Plan:
                  f"  predicted memory {_size(self.memory.total)} per device: parameters {_size(self.memory.params)}, "
                  f"gradients {_size(self.memory.grads)}, optimizer {_size(self.memory.optimizer)}, batch "
                  f"{_size(self.memory.batch)}, activations and temporaries {_size(self.memory.activations)}",
+                 *([f"  compiled {_size(self.compiled_bytes)} per device, within the budget"]
+                   if self.compiled_bytes is not None else []),
                  "  batch: " + ", ".join(format_placements(p) for p in self.batch),
                  "  default: " + (", ".join(map(_style, self.default)) or "none")]
         for pattern, styles in self.styles.items():

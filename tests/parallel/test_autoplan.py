@@ -94,12 +94,30 @@ def test_a_budget_holds_and_one_no_plan_meets_is_refused_naming_it():
     budget = (smallest + max(p.memory.total for p in every)) // 2
     tight = autoplan(_make(), mesh, _loss, IDS, IDS, styles=("dp", "fsdp"), memory_budget=budget)
     assert tight.memory.total <= budget and tight.budget == budget
+    assert free.compiled_bytes is None and tight.compiled_bytes <= budget  # checked by the compiler under a budget
     assert all(p.memory.total <= budget for p in tight.runners_up)
     assert any("over the budget" in why for _, why in tight.rejected)
     fastest_fit = min((p for p in every if p.memory.total <= budget), key=lambda p: p.step_us)
     assert tight.roles == fastest_fit.roles
     with pytest.raises(ValueError, match=rf"memory_budget={smallest - 1:,} bytes.*smallest is .* at {smallest:,}"):
         autoplan(_make(), mesh, _loss, IDS, IDS, styles=("dp", "fsdp"), memory_budget=smallest - 1)
+
+
+def test_the_compiler_has_the_last_word_on_a_budget(monkeypatch):
+    """A plan predicted within the budget is compiled (on specs alone) before it is chosen: here the prediction is
+    made to miss every temporary, so each plan it lets in is over once compiled, and refused naming both figures;
+    under a budget that holds, the plan carries the compiled step's bytes, exactly (its depth is the one priced)."""
+    mesh = make_mesh((2, 4))
+    monkeypatch.setattr(planning, "_peak", lambda plan, ours, more: 0)
+    free = autoplan(_make(), mesh, _loss, IDS, IDS, styles=("dp", "fsdp"))
+    budget = min(p.memory.total for p in (free, *free.runners_up)) + 1  # the smallest plan predicted to fit
+    with pytest.raises(ValueError, match=rf"memory_budget={budget:,} bytes .* once compiled: .*over the budget "
+                                         r"compiled: [\d,]+ bytes \(predicted [\d,]+\)"):
+        autoplan(_make(), mesh, _loss, IDS, IDS, styles=("dp", "fsdp"), memory_budget=budget)
+    roomy = autoplan(_make(), mesh, _loss, IDS, IDS, tx=optax.adamw(1e-2), styles=("dp", "fsdp"),
+                     memory_budget=2**40)
+    assert roomy.roles == free.roles and "compiled" in roomy.explain()
+    assert roomy.compiled_bytes == _compiled_bytes(_trained(mesh, roomy)[1], roomy, mesh)
 
 
 def test_styles_limit_the_roles_and_the_plan_explains_itself():
@@ -123,7 +141,8 @@ def test_the_depth_extrapolation_equals_pricing_the_whole_model(shape, roles):
     cut = planning._priced(model, ("blocks",), mesh, roles, tensor, _loss, (IDS, IDS), optax.adamw(1e-3), machine, {})
     whole = planning._priced(model, None, mesh, roles, tensor, _loss, (IDS, IDS), optax.adamw(1e-3), machine, {})
     assert cut.memory == whole.memory and cut.bytes_moved == whole.bytes_moved
-    assert cut.detail == pytest.approx(whole.detail, rel=1e-9)
+    figures = ("compute_us", "comm_us", "flops")
+    assert [cut.detail[k] for k in figures] == pytest.approx([whole.detail[k] for k in figures], rel=1e-9)
 
 
 def test_candidates_sharing_one_trace_are_priced_as_if_traced_alone():
