@@ -333,7 +333,7 @@ def _figures(compiled, devices: int) -> dict:
 
 def _predicted(p: Plan) -> dict:
     return dict(step_us=round(p.step_us, 1), bytes_moved=p.bytes_moved, memory=p.memory._asdict(),
-                memory_total=p.memory.total)
+                memory_total=p.memory.total, compiled_bytes=p.compiled_bytes)
 
 
 def _run_interleaved(sides: list[Side], steps: int, rounds: int, log, where: str) -> None:
@@ -408,8 +408,8 @@ def _print_table(cases: list[dict], large: list[dict]) -> None:
             print(f"  {s['name']:<26} {s['origin']:<9} {_mb(s['memory']['total']) if 'memory' in s else '-':>14} "
                   f"{s.get('step_ms', '-'):>8} {sum(s.get('collectives', {}).values()):>11} {loss:>11} "
                   f"{s['status']}")
-        print(f"  {'budget':<16} {'found':<26} {'solve s':>7} {'pred MB':>8} {'meas MB':>8} {'pred/meas':>9} "
-              f"{'in budget':>9} {'best fitting hand':<26} {'ms':>7} {'hand ms':>8} {'ratio':>6}")
+        print(f"  {'budget':<16} {'found':<26} {'solve s':>7} {'pred MB':>8} {'compiled':>8} {'meas MB':>8} "
+              f"{'pred/meas':>9} {'in budget':>9} {'best fitting hand':<26} {'ms':>7} {'hand ms':>8} {'ratio':>6}")
         for r in c["budgets"]:
             budget = "none" if r["budget"] is None else f"{r['fraction']:.0%} {_mb(r['budget'])} MB"
             if r["found"] is None:
@@ -418,7 +418,8 @@ def _print_table(cases: list[dict], large: list[dict]) -> None:
                 print(f"  {budget:<16} autoplan found none: smallest predicted {_least(r['error'])}{hand}")
                 continue
             print(f"  {budget:<16} {r['found']:<26} {r['solve_s']:>7.2f} {_mb(r['predicted']['memory_total']):>8} "
-                  f"{_mb(r.get('measured_bytes')):>8} {r.get('memory_ratio', '-'):>9} "
+                  f"{_mb(r['predicted'].get('compiled_bytes')):>8} {_mb(r.get('measured_bytes')):>8} "
+                  f"{r.get('memory_ratio', '-'):>9} "
                   f"{str(r.get('within_budget', '-')):>9} {r.get('best_hand', 'none fits'):<26} "
                   f"{r.get('found_step_ms', '-'):>7} {r.get('best_hand_step_ms', '-'):>8} "
                   f"{r.get('step_ratio', '-'):>6}")

@@ -37,9 +37,9 @@ from .placements import Placement, Replicate, format_placements
 from .planner import check_cost_model, plan_redistribute
 from .spec import Spec, block_sharding, check_dtype, check_mesh, format_mesh
 
-__all__ = ["DArray", "DeletedArrayError", "abstract", "adopt", "distribute", "from_jax", "from_local", "from_process_local",
-           "index_runs", "local_blocks", "on_devices", "process_rows", "rows_start", "same_devices", "shape_from_rows",
-           "to_devices"]
+__all__ = ["DArray", "DeletedArrayError", "abstract", "adopt", "distribute", "from_jax", "from_local",
+           "from_process_local", "index_runs", "local_blocks", "on_devices", "process_rows", "rows_start",
+           "same_devices", "shape_from_rows", "to_devices"]
 
 # equations are attributed to the user's line: jshard's own wrappers are not it
 source_info_util.register_exclusion(os.path.abspath(__file__))

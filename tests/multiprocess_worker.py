@@ -604,7 +604,8 @@ def check_gpt_context_parallel() -> None:
 
 def check_gpt_autoplan() -> None:
     """``autoplan`` in multi-controller mode: both processes search (each measuring its devices) and find the same
-    plan (process 0's measurements rank the candidates on both), which trains like one device."""
+    plan (process 0's measurements rank the candidates on both), which trains like one device. Under a budget both
+    compile the plan on specs alone, across the processes, and agree on its bytes."""
     import zlib
 
     from jax.experimental import multihost_utils
@@ -615,9 +616,10 @@ def check_gpt_autoplan() -> None:
     make, loss_fn, tx, windows = gpt_problem()
     ids = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
     t0 = time.perf_counter()
-    plan = autoplan(make, mesh, loss_fn, ids, ids, tx=tx)
+    plan = autoplan(make, mesh, loss_fn, ids, ids, tx=tx, memory_budget=2**40)
     RESULTS["seconds"]["gpt: autoplan search"] = round(time.perf_counter() - t0, 3)
-    mine = np.array([zlib.crc32(plan.name.encode()) % 2**31], np.int32)  # int32: JAX without x64
+    assert plan.compiled_bytes is not None and plan.compiled_bytes > 0, plan.compiled_bytes
+    mine = np.array([zlib.crc32(f"{plan.name} {plan.compiled_bytes}".encode()) % 2**31], np.int32)  # no x64
     assert int(multihost_utils.broadcast_one_to_all(mine)[0]) == int(mine[0]), f"process plans differ: {plan.name}"
     RESULTS["digests"]["gpt/autoplan"] = plan.name
     train = TrainStep(parallelize(make, mesh, plan), tx, loss_fn)
