@@ -24,7 +24,9 @@ same for 2 blocks or 32, and nothing is ever built. The figures are
 - computation: the FLOPs each device runs (its matmuls at its local shapes), at the rate the mesh's devices are
   measured to reach running together (a short matmul, once per process);
 - memory per device: parameters, optimizer state and batch as placed, and the peak of the step's live
-  intermediates (activations, gradients), from the plan's equations at their local shapes.
+  intermediates (activations, gradients), from the plan's equations at their local shapes. Under a budget the
+  compiler has the last word: the fastest plan predicted to fit is lowered and compiled on specs alone and taken
+  only if its compiled step fits as well (``Plan.compiled_bytes``), else the next.
 
 The candidates are few once axes of the same size and cost are taken as interchangeable (a role assignment and
 its permutations are one candidate), so the search prices every one and is exact over its space: no solver's
