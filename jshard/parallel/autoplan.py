@@ -384,18 +384,22 @@ def _priced(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, machine: Mac
     small = nnx.merge(*nnx.split(traces["cut", scoped, cut]), copy=True)  # parallelize_shapes changes it
     total, block = _figures(small, scoped, cut, depth - cut, canonical, plan, default, loss_fn,
                             batch, placements, tx, machine, traces, shape)
-    at_cut = (total["params"] * 2 + total["optimizer"] + total["batch"]
-              + max(total["cut_temps"] - total["params"], 0))  # the Memory of the cut model itself
+    at_cut = _memory(total, total["cut_temps"]).total  # the cut model's own, before the further blocks
     total = {k: v + (depth - cut) * block.get(k, 0.0) for k, v in total.items()}
     compute_us = (total["flops"] / machine.flops_per_us + total["written"] / machine.bytes_per_us
                   + total["pipeline_us"])
-    memory = Memory(params=int(total["params"]), grads=int(total["params"]), optimizer=int(total["optimizer"]),
-                    batch=int(total["batch"]), activations=int(max(total["temps"] - total["params"], 0)))
     plan, default = _styles_of(roles, tensor, blocks, micro)
     return Plan(roles=dict(roles), styles=plan, default=default, batch=_batch_placements(mesh, roles, batch),
-                step_us=compute_us + total["comm_us"], bytes_moved=int(total["bytes"]), memory=memory,
+                step_us=compute_us + total["comm_us"], bytes_moved=int(total["bytes"]),
+                memory=_memory(total, total["temps"]),
                 detail={"compute_us": compute_us, "comm_us": total["comm_us"], "flops": total["flops"],
-                        "cut": cut, "depth": depth, "cut_bytes": int(at_cut)})
+                        "cut": cut, "depth": depth, "cut_bytes": at_cut})
+
+
+def _memory(total: dict[str, float], temps: float) -> Memory:
+    """The Memory of a step's figures whose intermediates peak at ``temps`` (parameters' gradients among them)."""
+    return Memory(params=int(total["params"]), grads=int(total["params"]), optimizer=int(total["optimizer"]),
+                  batch=int(total["batch"]), activations=int(max(temps - total["params"], 0)))
 
 
 def _canonical(mesh: Mesh, roles: dict[str, str]) -> tuple[dict[str, str], Mesh]:

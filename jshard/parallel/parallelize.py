@@ -276,6 +276,7 @@ def _match(model: nnx.Module, mesh: Mesh, plan: dict[str, tuple[ParallelStyle, .
     the module (a style that constrains calls needs a module that is called)."""
     names = list(mesh.axis_names)
     modules = {path: node for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)}
+    _check_axes(default, names, mesh, "default=")
     styles, used = {}, set()
     for path, module in modules.items():  # every module gets an entry: default styles may gather its params
         key = _key(path)
@@ -288,7 +289,6 @@ def _match(model: nnx.Module, mesh: Mesh, plan: dict[str, tuple[ParallelStyle, .
             raise ValueError(f"parallelize: {constrains[0]} at {key or 'the root module'} constrains the input and "
                              f"output of {type(module).__name__}, which is never called (it has no __call__); match "
                              "the modules inside it instead (say 'blocks/*')")
-    _check_axes(default, names, mesh, "default=")
     unused = [p for p in plan if p not in used]
     if unused:
         raise ValueError(f"parallelize: plan pattern(s) {unused} match no module; module paths are "

@@ -103,6 +103,8 @@ def test_a_module_own_style_replaces_the_default_on_its_axis():
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
     with pytest.raises(ValueError, match=r"FullyShard.* and DataParallel.* both place default= on mesh axis 'dp'"):
         parallelize(gpt(), mesh, default=(FullyShard("dp"), DataParallel("dp")))
+    with pytest.raises(ValueError, match=r"at default= names mesh axis 'model', but the mesh is mesh\(dp=2, tp=4\)"):
+        parallelize(gpt(), mesh, default=FullyShard("model"))
 
 
 @pytest.mark.parametrize("units,collectives", [("blocks", L), ("root and one block", 2),
