@@ -206,7 +206,7 @@ class _Const:
 
     def __init__(self, value: np.ndarray):
         self.value = value
-        self._key = (value.shape, str(value.dtype), value.tobytes())
+        self._key = (value.shape, value.dtype, value.tobytes())
 
     def __hash__(self):
         return hash(self._key)

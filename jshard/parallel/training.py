@@ -27,6 +27,7 @@ True
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -37,7 +38,7 @@ from flax import nnx
 
 from ..api import constrain, jit, same_as
 from ..arguments import is_darray
-from ..caches import Cache
+from ..caches import Cache, memo
 from ..cost import CostModel
 from ..darray import DArray
 from ..engine import Program
@@ -244,12 +245,35 @@ def step_function(model: nnx.Module, tx: optax.GradientTransformation, loss_fn: 
             (loss, rest), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
         leaves, tree = jax.tree.flatten(grads)
         grads = jax.tree.unflatten(tree, [constrain(g, p) for g, p in zip(leaves, grad_placements, strict=True)])
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, rest, loss
+        params, opt_state = update(grads, opt_state, params)
+        return params, opt_state, rest, loss
+
+    update = _update(tx)
 
     mesh_rank = next(filter(is_darray, jax.tree.leaves(params, is_leaf=is_darray))).mesh.devices.ndim
     return jit(step, out_placements=(same_as(0), same_as(1), None, (Replicate(),) * mesh_rank),
                donate_argnums=(0, 1) if donate else (), cost_model=cost_model)
+
+
+def _update(tx: optax.GradientTransformation) -> Callable:
+    """``tx``'s update applied: ``(grads, opt_state, params) -> (params, opt_state)``. A ``jax.jit`` function, one per
+    ``tx``, whenever ``tx`` hashes: its equations are the same under every plan (they see global shapes; the
+    gradients are pinned before), so JAX traces them once and every step traced with ``tx`` (``autoplan`` prices
+    dozens) reuses them; the engine plans its equations inline, as if there were no ``jit``."""
+    try:
+        return _jitted_update(tx)
+    except TypeError:  # an unhashable transformation: traced with each step
+        return functools.partial(_apply, tx)
+
+
+@memo(64)
+def _jitted_update(tx: optax.GradientTransformation) -> Callable:
+    return jax.jit(functools.partial(_apply, tx))
+
+
+def _apply(tx: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any) -> tuple[Any, Any]:
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
 
 
 def _check_tx(tx: Any, where: str) -> None:

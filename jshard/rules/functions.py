@@ -65,6 +65,7 @@ from typing import Any
 
 import jax
 
+from ..caches import memo
 from ..jaxcompat import ad, batching, jc, mlir
 from .registry import register
 
@@ -79,8 +80,9 @@ def function(strategies: Callable[[tuple, tuple, dict], Sequence[tuple]], *,
              name: str | None = None) -> Callable[[Callable], Callable]:
     """Decorator: ``fn`` becomes one equation with its own rule wherever ``jshard.jit`` traces it (see the module
     docstring). Arrays are passed positionally (pytrees allowed); keyword arguments are static, reach
-    ``strategies`` / ``local`` / ``communicates`` in ``params`` and must be hashable. ``name`` (default: the
-    function's qualified name) names its primitive, ``jshard.<name>``, in jaxprs and in ``explain``."""
+    ``strategies`` / ``local`` / ``communicates`` in ``params`` and must be hashable. As with ``jax.jit``, the body
+    is traced once per argument types and keyword values, so it should depend on nothing else. ``name`` (default:
+    the function's qualified name) names its primitive, ``jshard.<name>``, in jaxprs and in ``explain``."""
     if not callable(strategies):
         raise TypeError(f"jshard.rules.function: strategies must be a function (ins, outs, params) -> [placement "
                         f"tuples], got {type(strategies).__name__}")
@@ -98,7 +100,7 @@ def function(strategies: Callable[[tuple, tuple, dict], Sequence[tuple]], *,
 
         def bound(args: tuple, static: dict) -> Any:
             leaves, tree = jax.tree.flatten(args)
-            body = functools.partial(_body, fn, tree, static)
+            body = _body_of(fn, tree, tuple(static.items()))
             closed, shapes = jax.make_jaxpr(body, return_shape=True)(*leaves)
             out = prim.bind(*leaves, jaxpr=closed, **static)
             return jax.tree.unflatten(jax.tree.structure(shapes), out)
@@ -132,6 +134,14 @@ def function_names() -> tuple[str, ...]:
 
 # ---------------------------------------------------------------------------------------------------
 # internals
+
+
+@memo(1024)
+def _body_of(fn: Callable, tree, static: tuple) -> Callable:
+    """The body of a call with this argument structure and these static keywords: one object for them all, so
+    that JAX's trace cache (keyed, as ``jax.jit``'s, on the function, the argument types and JAX's context) traces
+    it once. A training step calls attention in every block, and a search prices many steps."""
+    return functools.partial(_body, fn, tree, dict(static))
 
 
 def _body(fn: Callable, tree, static: dict, *leaves) -> Any:
