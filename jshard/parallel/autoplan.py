@@ -380,8 +380,8 @@ def _priced(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, machine: Mac
     scoped = None if stages else blocks
     cut = depth if stages else min(depth, 2)
     if ("cut", scoped, cut) not in traces:  # cutting a deep model costs more than copying the cut one
-        traces["cut", scoped, cut] = _cut(model, scoped, cut)
-    small = nnx.merge(*nnx.split(traces["cut", scoped, cut]), copy=True)  # parallelize_shapes changes it
+        traces["cut", scoped, cut] = nnx.split(_cut(model, scoped, cut))
+    small = nnx.merge(*traces["cut", scoped, cut], copy=True)  # a copy: parallelize_shapes changes it
     total, block = _figures(small, scoped, cut, depth - cut, canonical, plan, default, loss_fn,
                             batch, placements, tx, machine, traces, shape)
     at_cut = _memory(total, total["cut_temps"]).total  # the cut model's own, before the further blocks
@@ -459,8 +459,8 @@ def _figures(model, blocks, cut, more, mesh, plan, default, loss_fn, batch, plac
                 total[k] += v
                 if j in own:
                     block[k] = block.get(k, 0.0) + v
-    total["temps"] = _peak(plan_, ours, more)
-    total["cut_temps"] = _peak(plan_, ours, 0) if more else total["temps"]
+    peak = _peak(plan_, ours, fused)
+    total["temps"], total["cut_temps"] = peak(more), peak(0)
     return total, block
 
 
@@ -642,40 +642,44 @@ def _fused(plan: JaxprPlan) -> frozenset:
                      and users[o][0] in _FUSED | _READS)
 
 
-def _peak(plan: JaxprPlan, ours: dict[int, str], more: int) -> int:
-    """The most bytes a device holds at once in the intermediates (not the inputs) of the plan of a model cut short,
-    for the model with ``more`` blocks like its last: each value from its equation to its last use, a moved
-    operand's copy while its consumer runs. The values every block holds at once are held ``more`` times more: the
-    block's gradients and updates (``ours``' ``"own"``) and its forward pass's values that its backward pass reads
-    (its activations)."""
+def _peak(plan: JaxprPlan, ours: dict[int, str], fused: frozenset) -> Callable[[int], int]:
+    """The most bytes a device holds at once in the intermediates (not the inputs) of the plan of a model cut
+    short, as a function of how many blocks like its last the model has ``more``: each value from its equation to
+    its last use, a moved operand's copy while its consumer runs (``fused``: values never written). The values
+    every block holds at once are held ``more`` times more: the block's gradients and updates (``ours``' ``"own"``)
+    and its forward pass's values that its backward pass reads (its activations). One walk: at each equation the
+    bytes held are ``base + more * extra``."""
     last, users = {}, {}
     for i, eq in enumerate(plan.equations):
         for op in eq.operands:
             if not op.literal:
                 last[op.value] = i
                 users.setdefault(op.value, []).append(eq)
-    ends, fused = {o for o in plan.outs if not isinstance(o, jc.Literal)}, _fused(plan)
-    size, live, peak = {}, 0, 0
+    ends = {o for o in plan.outs if not isinstance(o, jc.Literal)}
+    size, live, points = {}, [0, 0], set()
     for i, eq in enumerate(plan.equations):
         kind = ours.get(id(eq))
         for o, spec in zip(eq.outs or (), eq.choice.outs, strict=True):
             if o is not None and o not in fused:
                 kept = kind == "own" or (kind == "forward" and any(map(_backward, users.get(o, ()))))
-                size[o] = spec.local_bytes * (1 + more if kept else 1)
-                live += size[o]
-        moved = (1 + more if kind == "own" else 1) * sum(
-            t.local_bytes for op, t in zip(eq.operands, eq.choice.ins, strict=True)
-            if isinstance(op.move, MovePlan) and op.move.steps)
-        if eq.eqn.primitive.name == "jshard_pipeline":
-            moved += _pipeline_held(eq)
-        peak = max(peak, live + moved)
+                size[o] = (spec.local_bytes, spec.local_bytes if kept else 0)
+                live[0] += size[o][0]
+                live[1] += size[o][1]
+        moved = sum(t.local_bytes for op, t in zip(eq.operands, eq.choice.ins, strict=True)
+                    if isinstance(op.move, MovePlan) and op.move.steps)
+        held = _pipeline_held(eq) if eq.eqn.primitive.name == "jshard_pipeline" else 0
+        points.add((live[0] + moved + held, live[1] + (moved if kind == "own" else 0)))
         for op in eq.operands:
             if not op.literal and last.get(op.value) == i and op.value in size and op.value not in ends:
-                live -= size.pop(op.value)
+                base, extra = size.pop(op.value)
+                live[0] -= base
+                live[1] -= extra
         for o in eq.outs or ():
             if o is not None and o not in last and o not in ends:
-                live -= size.pop(o, 0)
-    return peak
+                base, extra = size.pop(o, (0, 0))
+                live[0] -= base
+                live[1] -= extra
+    return lambda more: max((base + more * extra for base, extra in points), default=0)
 
 
 def _pipeline_held(eq) -> int:
@@ -687,7 +691,7 @@ def _pipeline_held(eq) -> int:
     n, k, _ = prm["counts"]
     x0 = eq.choice.ins[n + k]
     sched = make_schedule(prm["kind"], x0.mesh.shape[prm["axis"]], x0.shape[0], prm["virtual"])
-    forward, backward, tail = (_peak(body, {}, 0) for _, body, _ in eq.bodies)
+    forward, backward, tail = (_peak(body, {}, _fused(body))(0) for _, body, _ in eq.bodies)
     bodies = max(forward, backward) + tail  # the last stage's tick runs the tail beside a unit
     return 3 * prm["virtual"] * sched.slots * (x0.local_bytes // x0.shape[0]) + bodies
 

@@ -108,7 +108,7 @@ def test_the_compiler_has_the_last_word_on_a_budget(monkeypatch):
     made to miss every temporary, so each plan it lets in is over once compiled, and refused naming both figures;
     under a budget that holds, the plan carries the compiled step's bytes, exactly (its depth is the one priced)."""
     mesh = make_mesh((2, 4))
-    monkeypatch.setattr(planning, "_peak", lambda plan, ours, more: 0)
+    monkeypatch.setattr(planning, "_peak", lambda plan, ours, fused: lambda more: 0)
     free = autoplan(_make(), mesh, _loss, IDS, IDS, styles=("dp", "fsdp"))
     budget = min(p.memory.total for p in (free, *free.runners_up)) + 1  # the smallest plan predicted to fit
     with pytest.raises(ValueError, match=rf"memory_budget={budget:,} bytes .* once compiled: .*over the budget "
