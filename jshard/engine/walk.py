@@ -370,7 +370,11 @@ def _shrink(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh, pi
             reads = [t for j in users.get(o, ())
                      for op, t in zip(equations[j].operands, equations[j].choice.ins, strict=True)
                      if not op.literal and op.value is o] + ([pins[o]] if o in pins else [])
-            smaller = [t for t in reads if t.local_bytes < env[o].local_bytes]
+            # a consumer's output of the value's shape (scatter-add into zeros writes its operand in place): the
+            # value made as that block, where the consumer takes it so at no cost
+            made = [s for j in users.get(o, ()) for s in equations[j].choice.outs
+                    if s.shape == env[o].shape and s.dtype == env[o].dtype]
+            smaller = [t for t in reads + made if t.local_bytes < env[o].local_bytes]
             slices = [t for t in map(partial(_sliced_part, env[o]), reads) if t is not None]
             # in the program's order, never a set's: every process must plan alike
             for t in sorted(dict.fromkeys(slices + smaller), key=lambda t: t.local_bytes):

@@ -362,9 +362,9 @@ def _priced(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, machine: Mac
     """A candidate's Plan: its figures from the model cut to two blocks, the second block's share (a block between
     blocks, as all but the first are) counted once more for each further block of the model.
 
-    It is priced on the mesh with its axes renamed and reordered by role (``_canonical``; the devices transposed
-    with them, so each axis holds the same devices): every candidate with the same roles then traces the same step,
-    which ``traces`` keeps (and the model cut), and only its plan is made again."""
+    It is priced on the mesh with its axes renamed by role (``_canonical``): every candidate with the same roles on
+    axes in the same order then traces the same step, which ``traces`` keeps (and the model cut), and only its
+    plan is made again."""
     names, canonical = _canonical(mesh, roles)
     canonical_roles = {names[a]: r for a, r in roles.items()}
     depth = len(list(_at(model, blocks))) if blocks is not None else 1
@@ -403,14 +403,15 @@ def _memory(total: dict[str, float], temps: float) -> Memory:
 
 def _canonical(mesh: Mesh, roles: dict[str, str]) -> tuple[dict[str, str], Mesh]:
     """Each axis's name by its place in the order of roles (``ROLES``: the data axes first), then of sizes: ``x0``,
-    ``x1``, ...; and ``mesh`` with those names, its axes (and devices) in that order.
+    ``x1``, ...; and ``mesh`` with those names, its axes in their own order.
 
     Names by place, not by role: the plans of candidates with other roles then ask the engine many of the same
-    questions (how to run a matmul whose batch is split on ``x0``, how to move its output), whose answers it keeps."""
+    questions (how to run a matmul whose batch is split on ``x0``, how to move its output), whose answers it keeps.
+    The axes keep their order: where two of them split one dim (a sequence under ``sp`` and ``cp``), the order says
+    which splits it first, and so which layouts meet without a move."""
     order = sorted(mesh.axis_names, key=lambda a: (ROLES.index(roles[a]), mesh.shape[a], mesh.axis_names.index(a)))
     names = {a: f"x{i}" for i, a in enumerate(order)}
-    devices = np.transpose(mesh.devices, [mesh.axis_names.index(a) for a in order])
-    return names, Mesh(devices, tuple(names[a] for a in order))
+    return names, Mesh(mesh.devices, tuple(names[a] for a in mesh.axis_names))
 
 
 def _at(model, path):

@@ -64,6 +64,23 @@ def test_the_loss_gradient_is_made_where_the_head_reads_it_not_whole_and_sliced(
     assert_close(got.full(), grad(X, W, L), n=16 + 8192 + 8 * 128)
 
 
+@pytest.mark.parametrize("shape", [(8,), (1, 8)])
+def test_the_zeros_a_gradient_is_scattered_into_are_made_as_the_scatter_writes(shape):
+    # take_along_axis's gradient scatter-adds into zeros the logits' shape, in place; with the rows split, the
+    # scatter writes its rows' block, and its zeros were made whole on every device (a logits-sized block more
+    # than the step holds, which the memory prediction counted): they are made as the scatter's output now
+    mesh = make_mesh(shape)
+    rng = np.random.default_rng(3)
+    logits, labels = rng.normal(size=(16, 32, 64)).astype(np.float32), rng.integers(0, 64, (16, 32)).astype(np.int32)
+    rows = (R,) * (len(shape) - 1) + (Shard(0),)
+    args = [jshard.distribute(a, mesh, rows) for a in (logits, labels)]
+    grad = jax.grad(lambda lg, lb: jnp.take_along_axis(jax.nn.log_softmax(lg), lb[..., None], axis=-1).mean())
+    ex = jshard.explain(grad, *args)
+    made = {(r["primitive"], s.placements) for r in ex.rows for s in r["outs"] if s.shape == logits.shape}
+    assert ("broadcast_in_dim", rows) in made and all(p == rows for _, p in made)
+    assert_close(jshard.jit(grad)(*args).full(), grad(logits, labels), n=64 + 16 * 32)
+
+
 def test_an_embedding_gradient_is_scattered_into_the_rows_a_device_keeps():
     # the vocabulary-parallel table's gradient: each device scatter-adds only the ids in its rows (gathering the
     # small updates over dp, where they are split by batch) instead of scattering into the whole table over tp
