@@ -30,11 +30,12 @@ same for 2 blocks or 32, and nothing is ever built. The figures are
 
 The candidates are few once axes of the same size and cost are taken as interchangeable (a role assignment and
 its permutations are one candidate), so the search prices every one and is exact over its space: no solver's
-relaxation, no heuristic pruning, and the runners-up come for free. Candidates with the same roles on axes of other
-sizes trace one step between them (on the mesh renamed by role; ``jshard.engine.shared_trace``) and are only
-planned again. A pipeline's step is one equation whatever the depth (its blocks stacked), priced whole: its layer's
-forward and backward and its tail as its schedule runs them, tick by tick (each tick as long as its slowest
-device), and its kernel's buffers in memory.
+relaxation, no heuristic pruning, and the runners-up come for free. Candidates whose parameters are placed alike
+by axis name (the same roles on the axes in another order, often; axes are named by their place in the order of
+roles) trace one step between them (``jshard.engine.shared_trace``), and each is planned on its own mesh. A
+pipeline's step is one equation whatever the depth (its blocks stacked), priced whole: its layer's forward and
+backward and its tail as its schedule runs them, tick by tick (each tick as long as its slowest device), and its
+kernel's buffers in memory.
 """
 
 from __future__ import annotations
@@ -373,8 +374,9 @@ def _priced(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, machine: Mac
     micro = _microbatches(stages[0], min(b.shape[0] for b in batch if b.shape), data) if stages else None
     plan, default = _styles_of(canonical_roles, tensor, blocks, micro)
     placements = _batch_placements(canonical, canonical_roles, batch)
-    shape = tuple(sorted(canonical_roles.items())), tuple(canonical.shape[a] for a, r in canonical_roles.items()
-                                                          if r in ("cp", "pp"))  # their styles trace by axis size
+    shape = (tuple(sorted(canonical_roles.items())),
+             tuple(canonical.shape[a] for a, r in canonical_roles.items() if r in ("cp", "pp")),  # traced by size
+             canonical.axis_names if stages else None)  # a pipeline's equation holds the mesh's axes in order
     # a pipeline's step is one equation whatever its depth (its blocks stacked): it is priced whole
     scoped = None if stages else blocks
     cut = depth if stages else min(depth, 2)
@@ -427,10 +429,11 @@ def _figures(model, blocks, cut, more, mesh, plan, default, loss_fn, batch, plac
     on specs alone: its figures per device, and the share of them that its last block makes (its forward and
     backward passes, the moves and updates of its parameters and optimizer state), to be counted ``more`` times
     more; its peak memory is found with ``more`` blocks more (``_peak``). The step's jaxpr is shared
-    with the candidates of the same ``key`` whose parameters have the same placements (their gradients are pinned
-    there, so the placements are in the jaxpr)."""
+    with the candidates of the same ``key`` whose parameters have the same placements by axis name (their
+    gradients are pinned there by name, so those are in the jaxpr, whatever the order of the mesh's axes)."""
     params, opt, rest, data = _step_inputs(model, mesh, plan, default, placements, batch, tx)
-    pinned = tuple(d.placements for d in _darrays(params))
+    pinned = tuple(tuple(sorted(zip(mesh.axis_names, d.placements, strict=True), key=lambda named: named[0]))
+                   for d in _darrays(params))
     with shared_trace(traces, (key, pinned, blocks, cut)):
         traced = step_function(model, tx, loss_fn).trace(params, opt, rest, *data)
     inside = (lambda path: _within(path, (*blocks, cut - 1))) if blocks is not None else (lambda path: False)

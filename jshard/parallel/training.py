@@ -225,8 +225,11 @@ def step_function(model: nnx.Module, tx: optax.GradientTransformation, loss_fn: 
     ``autoplan`` traces it on parameters that hold only specs, to price a plan without building it."""
     graphdef, params, _ = nnx.split(model, nnx.Param, ...)
     # gradients land on their parameters' placements at once (one all-reduce per replicated parameter, one
-    # reduce-scatter per sharded one), so the optimizer's elementwise update needs no communication
-    grad_placements = jax.tree.leaves(placements_of(params), is_leaf=lambda p: isinstance(p, tuple))
+    # reduce-scatter per sharded one), so the optimizer's elementwise update needs no communication; pinned by
+    # axis name, so the step's jaxpr is the same whatever the order of the mesh's axes (autoplan shares it)
+    names = next(filter(is_darray, jax.tree.leaves(params, is_leaf=is_darray))).mesh.axis_names
+    grad_placements = [dict(zip(names, p, strict=True))
+                       for p in jax.tree.leaves(placements_of(params), is_leaf=lambda p: isinstance(p, tuple))]
     pipelined = find_pipelined(model)
 
     def step(params, opt_state, rest, *batch):
@@ -250,8 +253,7 @@ def step_function(model: nnx.Module, tx: optax.GradientTransformation, loss_fn: 
 
     update = _update(tx)
 
-    mesh_rank = next(filter(is_darray, jax.tree.leaves(params, is_leaf=is_darray))).mesh.devices.ndim
-    return jit(step, out_placements=(same_as(0), same_as(1), None, (Replicate(),) * mesh_rank),
+    return jit(step, out_placements=(same_as(0), same_as(1), None, (Replicate(),) * len(names)),
                donate_argnums=(0, 1) if donate else (), cost_model=cost_model)
 
 

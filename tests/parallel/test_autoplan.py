@@ -170,7 +170,10 @@ def test_candidates_sharing_one_trace_are_priced_as_if_traced_alone():
         shared = planning._priced(model, ("blocks",), mesh, roles, tensor, _loss, (IDS, IDS), tx, machine, store)
         alone = planning._priced(model, ("blocks",), mesh, roles, tensor, _loss, (IDS, IDS), tx, machine, {})
         assert (shared.detail, shared.memory, shared.bytes_moved) == (alone.detail, alone.memory, alone.bytes_moved)
-    assert len(store) < 2 * 5  # the first two share their traces
+    # the same roles on the axes in either order share a trace where their parameters are placed alike by axis
+    # name (their gradients are pinned by name), and are each planned on their own order: dp/tp and tp/dp share;
+    # fsdp/sp and sp/fsdp do not (FSDP's shard is strided when the sequence axis comes first)
+    assert len([key for key in store if key[0] != "cut"]) == 4
 
 
 class _Counted:
