@@ -363,9 +363,9 @@ def _priced(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, machine: Mac
     """A candidate's Plan: its figures from the model cut to two blocks, the second block's share (a block between
     blocks, as all but the first are) counted once more for each further block of the model.
 
-    It is priced on the mesh with its axes renamed by role (``_canonical``): every candidate with the same roles on
-    axes in the same order then traces the same step, which ``traces`` keeps (and the model cut), and only its
-    plan is made again."""
+    It is priced on its own mesh with the axes renamed by role (``_canonical``): every candidate whose parameters
+    are then placed alike by axis name (the same roles in either order, often) traces the same step, which
+    ``traces`` keeps (and the model cut), and only its plan is made again."""
     names, canonical = _canonical(mesh, roles)
     canonical_roles = {names[a]: r for a, r in roles.items()}
     depth = len(list(_at(model, blocks))) if blocks is not None else 1

@@ -100,7 +100,7 @@ def function(strategies: Callable[[tuple, tuple, dict], Sequence[tuple]], *,
 
         def bound(args: tuple, static: dict) -> Any:
             leaves, tree = jax.tree.flatten(args)
-            body = _body_of(fn, tree, tuple(static.items()))
+            body = _body_of(fn, tree, tuple(sorted(static.items(), key=lambda item: item[0])))  # in any order
             closed, shapes = jax.make_jaxpr(body, return_shape=True)(*leaves)
             out = prim.bind(*leaves, jaxpr=closed, **static)
             return jax.tree.unflatten(jax.tree.structure(shapes), out)
