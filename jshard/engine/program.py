@@ -63,6 +63,25 @@ class Traced:
         return [p or s for s, p in zip(self.plan.out_specs, self.pins, strict=True)]
 
 
+@contextlib.contextmanager
+def paused_collector():
+    """Python's cyclic garbage collector, paused while a program is traced, planned and compiled (or a plan
+    searched, ``jshard.parallel.autoplan``).
+
+    These make some 10^5 short-lived objects, and each time enough pile up the collector walks the whole live
+    heap (the user's model, JAX's caches): 10-15% of a GPT step's first call. Paused, it runs as usual after
+    (the objects are freed by reference counting meanwhile; cycles wait for the next collection)."""
+    if not gc.isenabled():  # the user paused it: leave it so
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+@paused_collector()
 def trace(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, pins: Callable[[Any, int], list],
           weak: list[bool] | None = None, name: str = "", cost_model: CostModel | None = None) -> Traced:
     """Trace ``fn`` (called with the leaves unflattened by ``treedef``) at global shapes and plan it; ``weak``
@@ -185,7 +204,7 @@ class Program:
         in_specs = [d.spec for d in traced.lifted] + list(specs)
         self._bounded = mesh.devices.flat[0].platform == "cpu" and communicates(traced.plan, traced.pins)
         self._in_flight: collections.deque = collections.deque()
-        self._compiled = False  # the first call traces the body and compiles it (see _paused_collector)
+        self._compiled = False  # the first call traces the body and compiles it (see paused_collector)
 
         def body(*blocks):
             results = run(*[local_of(b, s) for b, s in zip(blocks, in_specs, strict=True)])
@@ -199,7 +218,7 @@ class Program:
 
     def lower(self, blocks: list) -> Any:
         """The lowered ``jax.jit`` program for input ``blocks`` (``.as_text()``, ``.compile()``)."""
-        with _paused_collector():
+        with paused_collector():
             return self.jitted.lower(*self._lifted, *blocks)
 
     def call(self, blocks: list) -> Any:
@@ -221,7 +240,7 @@ class Program:
             if self._compiled:
                 out = self.jitted(*self._lifted, *blocks)
             else:
-                with _paused_collector():
+                with paused_collector():
                     out = self.jitted(*self._lifted, *blocks)
                 self._compiled = True
         except (RuntimeError, ValueError):  # JAX's own refusal of a deleted buffer: say which argument, and why
@@ -271,23 +290,6 @@ def compile_program(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, pins: 
     """``trace`` and compile: the ``Program`` of ``fn`` for inputs with ``specs``; ``name`` and ``where(leaf)``
     (the user's name for an input leaf) make a call's errors name the function and the argument; ``cost_model``
     prices the plan and its lowering (None: the model in force)."""
-    with _paused_collector():
+    with paused_collector():
         return Program(trace(fn, treedef, specs, mesh, pins, weak, name, cost_model), specs, mesh, donated,
                        name=name, where=where)
-
-
-@contextlib.contextmanager
-def _paused_collector():
-    """Python's cyclic garbage collector, paused while a program is traced, planned and compiled.
-
-    These make some 10^5 short-lived objects, and each time enough pile up the collector walks the whole live
-    heap (the user's model, JAX's caches): 10-15% of a GPT step's first call. Paused, it runs as usual after
-    (the objects are freed by reference counting meanwhile; cycles wait for the next collection)."""
-    if not gc.isenabled():  # the user paused it: leave it so
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()

@@ -57,7 +57,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..cost import COLLECTIVES, AxisCost, CostModel
 from ..darray import DArray, abstract
-from ..engine import JaxprPlan, out_moves, own_collectives, shared_trace
+from ..engine import JaxprPlan, out_moves, own_collectives, paused_collector, shared_trace
 from ..jaxcompat import constructing, jc
 from ..placements import Placement, Replicate, Shard
 from ..planner import Plan as MovePlan
@@ -106,6 +106,11 @@ def autoplan(make: Callable[[], nnx.Module], mesh: Mesh, loss_fn: Callable, *bat
     >>> tight.roles, tight.batch, tight.memory.total <= budget
     ({'x': 'fsdp'}, ((S(0),),), True)
     """
+    with paused_collector():  # the search makes millions of short-lived objects over a large live heap
+        return _autoplan(make, mesh, loss_fn, batch, tx, memory_budget, styles, runners_up)
+
+
+def _autoplan(make, mesh, loss_fn, batch, tx, memory_budget, styles, runners_up) -> Plan:
     start = time.perf_counter()
     _check_args(make, mesh, loss_fn, batch, tx, memory_budget, styles)
     if isinstance(runners_up, bool) or not isinstance(runners_up, int) or runners_up < 0:
