@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                 for a, p, (rows, cols) in zip(whole, placed, parts, strict=True)]
 
     train = TrainStep(model, tx, loss_fn)
-    totals = train.explain(*shard(0)).totals
+    totals = train.explain(*shard(0)).per_call  # a pipeline's layers once per microbatch and layer
     print("one training step communicates: " + (", ".join(
         f"{kind} x{count} ({nbytes:,} B per device)" for kind, (count, nbytes) in sorted(totals.items()))
         or "nothing"))

@@ -20,7 +20,7 @@ from ..placements import Replicate, shift_dims
 from ..propagate import Choice
 from ..spec import Spec
 from .kernel import local_function
-from .walk import JaxprPlan, control, move_cost, plan_jaxpr
+from .walk import Body, JaxprPlan, control, move_cost, plan_jaxpr
 
 __all__ = ["plan_cond", "plan_scan", "plan_while", "settle_carry"]
 
@@ -69,7 +69,7 @@ def plan_scan(eqn: jc.JaxprEqn, specs: list[Spec], mesh) -> tuple[Choice, Callab
     ins = consts + carry + xs
     # settle_carry's cost already holds the initial carry's move; the xs' move to whole leading dims is extra
     return (Choice(tuple(ins), tuple(carry + ys), cost + move_cost(specs[nc + nk:], xs), None), kernel,
-            (("body", plan, pins),))
+            (Body("body", plan, pins, p.length),))
 
 
 @control("while")
@@ -93,7 +93,8 @@ def plan_while(eqn: jc.JaxprEqn, specs: list[Spec], mesh) -> tuple[Choice, Calla
 
     ins = cconsts + bconsts + carry
     cost += WHILE_TRIPS * (cond.cost + move_cost(cond.out_specs, whole))  # the carry's move: in cost already
-    return Choice(tuple(ins), tuple(carry), cost, None), kernel, (("cond", cond, whole), ("body", body, carry))
+    return (Choice(tuple(ins), tuple(carry), cost, None), kernel,
+            (Body("cond", cond, whole, runs=None), Body("body", body, carry, runs=None)))
 
 
 @control("cond")
@@ -114,7 +115,7 @@ def plan_cond(eqn: jc.JaxprEqn, specs: list[Spec], mesh) -> tuple[Choice, Callab
 
     cost = move_cost(specs[:1], [index]) + max(pl.cost + move_cost(pl.out_specs, outs) for pl in plans)
     return (Choice((index, *ops), tuple(outs), cost, None), kernel,
-            tuple((f"branch {b}", pl, outs) for b, pl in enumerate(plans)))
+            tuple(Body(f"branch {b}", pl, outs, alternative=True) for b, pl in enumerate(plans)))
 
 
 def _unshard_dim0(spec: Spec) -> Spec:

@@ -66,7 +66,7 @@ def communicates(plan: JaxprPlan, pins: list) -> bool:
             return True
         if own_collectives(eq):
             return True
-        if any(communicates(body, body_pins) for _, body, body_pins in eq.bodies):
+        if any(communicates(body.plan, body.pins) for body in eq.bodies):
             return True
     return any(m is not None and m.collectives for m in out_moves(plan, pins))
 

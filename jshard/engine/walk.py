@@ -68,6 +68,16 @@ class Operand(NamedTuple):
     move: Plan | _Reused | None = None  # to the spec the equation runs with: a plan, REUSED, or None (it is there)
 
 
+class Body(NamedTuple):
+    """A control-flow equation's body (a loop's, a branch, a pipeline's layer), planned as a jaxpr of its own."""
+
+    label: str  # what it is to its equation: "body", "branch 1", "layer forward"
+    plan: JaxprPlan
+    pins: list  # per output: the spec it is moved to, or None
+    runs: int | None = 1  # times it runs per run of its equation on a device (None: not known before it runs)
+    alternative: bool = False  # one of a cond's branches: one of them runs
+
+
 @dataclass
 class EquationPlan:
     """One equation of a ``JaxprPlan``: what runs, on what, with which moves."""
@@ -77,7 +87,7 @@ class EquationPlan:
     choice: Choice  # the specs its inputs run with and its outputs come out with, and the cost
     kernel: Callable | None = None  # control flow: the local loop / switch over the bodies' local functions
     outs: list | None = None  # per output: a fresh Value (None: dropped)
-    bodies: tuple = ()  # control flow: (label, JaxprPlan, pins) per body, for explain
+    bodies: tuple[Body, ...] = ()  # control flow: its bodies, for explain
     site: Any = None  # the source of the innermost call with a user frame (a library jit's body has none)
     scope: str = ""  # the name stacks (jax.named_scope) of the calls it was inlined from and its own, joined by "/"
     consts: list | None = None  # per input: its value when a literal (for re-selection)
@@ -113,7 +123,7 @@ class JaxprPlan:
             prim = eq.eqn.primitive
             if not (prim is constrain_p or prim.name in _AS_THEY_ARE or prim.name in _CONTROL or has_rule(prim)):
                 names.add(prim.name)
-            names.update(n for _, body, _ in eq.bodies for n in body.without_rules())
+            names.update(n for body in eq.bodies for n in body.plan.without_rules())
         return sorted(names)
 
 
@@ -190,10 +200,11 @@ def _replicated(mesh: Mesh, shape: tuple, dtype) -> Spec:
 
 
 def move_cost(src: list[Spec], dst: list[Spec]) -> float:
-    """Estimated µs of moving values with specs ``src`` to ``dst`` (inf where no plan gets there)."""
+    """Estimated µs of moving values with specs ``src`` to ``dst`` (inf where no plan gets there; a None in
+    ``dst`` stays where it is)."""
     total = 0.0
     for s, t in zip(src, dst, strict=True):
-        if s != t:
+        if t is not None and s != t:
             try:
                 total += plan_redistribute(s, t.placements).cost
             except ValueError:  # no way there (a Partial of another kind): never chosen

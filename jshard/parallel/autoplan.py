@@ -57,7 +57,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..cost import COLLECTIVES, AxisCost, CostModel
 from ..darray import DArray, abstract
-from ..engine import JaxprPlan, out_moves, own_collectives, paused_collector, shared_trace
+from ..engine import WHILE_TRIPS, JaxprPlan, out_moves, own_collectives, paused_collector, shared_trace
 from ..jaxcompat import constructing, jc
 from ..placements import Placement, Replicate, Shard
 from ..planner import Plan as MovePlan
@@ -539,8 +539,9 @@ def _block_equations(plan: JaxprPlan, own: set[int]) -> dict[int, str]:
 
 def _equation_figures(eq, machine: Machine, sizes: dict, fused: frozenset = frozenset()) -> dict[str, float]:
     """One equation's figures per device: its operands' moves and its own collectives (µs by the measured links,
-    bytes), its matmul FLOPs and the bytes it writes (``fused``: values it never writes), its loop or branch
-    bodies' included once; a pipeline's as its schedule runs them (``pipeline_us``)."""
+    bytes), its matmul FLOPs and the bytes it writes (``fused``: values it never writes), its bodies' as they run
+    (a scan's once per trip, a while loop's for as many trips as the plan assumed, a cond's costliest branch); a
+    pipeline's as its schedule runs them (``pipeline_us``)."""
     links = machine.links
     written = sum(s.local_bytes for o, s in zip(eq.outs or (), eq.choice.outs, strict=True) if o not in fused)
     out = {"comm_us": 0.0, "bytes": 0.0, "flops": _flops(eq), "written": float(written), "pipeline_us": 0.0}
@@ -551,14 +552,25 @@ def _equation_figures(eq, machine: Machine, sizes: dict, fused: frozenset = froz
     for c in own_collectives(eq):
         out["comm_us"] += c.cost(links, sizes)
         out["bytes"] += c.nbytes * c.count
-    bodies = [_body_figures(body, body_pins, machine, _sub_sizes(sizes, eq)) for _, body, body_pins in eq.bodies]
-    if eq.eqn.primitive.name == "jshard_pipeline":
-        out["pipeline_us"], out["bytes"] = _pipeline_time(eq, bodies, machine, sizes, out["bytes"])
+    bodies = [(b, _body_figures(b.plan, b.pins, machine, _sub_sizes(sizes, eq))) for b in eq.bodies]
+    if eq.eqn.primitive.name == "jshard_pipeline":  # its bodies' time is its schedule's; their bytes as they run
+        out["pipeline_us"] = _pipeline_time(eq, [f for _, f in bodies], machine, sizes)
+        out["bytes"] += sum(b.runs * f["bytes"] for b, f in bodies)
         return out
-    for figures in bodies:
+    branches = [f for b, f in bodies if b.alternative]
+    runs = [(f, WHILE_TRIPS if b.runs is None else b.runs) for b, f in bodies if not b.alternative]
+    if branches:
+        runs.append((max(branches, key=lambda f: _unit_us(f, machine)), 1))
+    for figures, n in runs:
         for k, v in figures.items():
-            out[k] += v
+            out[k] += n * v
     return out
+
+
+def _unit_us(figures: dict[str, float], machine: Machine) -> float:
+    """The µs of figures: their FLOPs and writes at the measured rates, their collectives, a pipeline's ticks."""
+    return (figures["flops"] / machine.flops_per_us + figures["written"] / machine.bytes_per_us
+            + figures["comm_us"] + figures["pipeline_us"])
 
 
 def _sub_sizes(sizes: dict, eq) -> dict:
@@ -580,26 +592,21 @@ def _body_figures(body: JaxprPlan, pins: list, machine: Machine, sizes: dict) ->
     return out
 
 
-def _pipeline_time(eq, bodies: list[dict], machine: Machine, sizes: dict, sends: float) -> tuple[float, float]:
-    """A pipeline's µs on the critical path and bytes a device moves: its schedule's ticks, each as long as its
-    slowest device's units (a forward and a backward unit of ``L / (p v)`` layers each, the tail after the last
-    stage's forward), and its sends; its layers' own collectives once per layer and unit."""
+def _pipeline_time(eq, bodies: list[dict], machine: Machine, sizes: dict) -> float:
+    """A pipeline's µs on the critical path: its schedule's ticks, each as long as its slowest device's units (a
+    forward unit of ``L / (p v)`` layers; a backward unit of as many layers, after the forward of all but the last
+    again), the tail after the last stage's forward."""
     prm = eq.eqn.params
-    n, k, _ = prm["counts"]
     p = sizes[prm["axis"]]
-    m, depth = eq.choice.ins[n + k].shape[0], eq.choice.ins[0].shape[0]
+    depth = eq.choice.ins[0].shape[0]
+    m = eq.choice.ins[sum(prm["counts"][:2])].shape[0]
     sched = make_schedule(prm["kind"], p, m, prm["virtual"])
     layers = depth // (p * prm["virtual"])
-
-    def unit_us(f):
-        return f["flops"] / machine.flops_per_us + f["written"] / machine.bytes_per_us + f["comm_us"]
-
-    forward, backward, tail = (unit_us(f) for f in bodies)
-    busy = (layers * forward * (sched.forward >= 0) + layers * backward * (sched.backward >= 0))
+    forward, backward, tail = (_unit_us(f, machine) for f in bodies)
+    busy = (layers * forward * (sched.forward >= 0)
+            + ((layers - 1) * forward + layers * backward) * (sched.backward >= 0))
     busy[:, -1] += tail * (sched.forward[:, -1] >= 0)
-    units = m * prm["virtual"] * layers
-    moved = sends + units * (bodies[0]["bytes"] + bodies[1]["bytes"]) + m * bodies[2]["bytes"]
-    return float(busy.max(axis=1).sum()), moved
+    return float(busy.max(axis=1).sum())
 
 
 def _move_figures(move: MovePlan, links: CostModel, sizes: dict) -> dict[str, float]:
@@ -699,7 +706,7 @@ def _pipeline_held(eq) -> int:
     n, k, _ = prm["counts"]
     x0 = eq.choice.ins[n + k]
     sched = make_schedule(prm["kind"], x0.mesh.shape[prm["axis"]], x0.shape[0], prm["virtual"])
-    forward, backward, tail = (_peak(body, {}, _fused(body))(0) for _, body, _ in eq.bodies)
+    forward, backward, tail = (_peak(b.plan, {}, _fused(b.plan))(0) for b in eq.bodies)
     bodies = max(forward, backward) + tail  # the last stage's tick runs the tail beside a unit
     return 3 * prm["virtual"] * sched.slots * (x0.local_bytes // x0.shape[0]) + bodies
 

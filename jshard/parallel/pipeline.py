@@ -50,7 +50,7 @@ from ..cost import Communication
 from ..engine.constrain import hidden_axis
 from ..engine.kernel import local_function
 from ..engine.program import tracing_mesh
-from ..engine.walk import control, move_cost, plan_jaxpr
+from ..engine.walk import Body, control, move_cost, plan_jaxpr
 from ..jaxcompat import jc, mlir, source_info_util
 from ..placements import Partial, Placement, Replicate, Shard, StridedShard, shift_dims
 from ..planner import model_in_force
@@ -233,12 +233,14 @@ def plan_pipeline(eqn: jc.JaxprEqn, specs: list[Spec], mesh: Mesh) -> tuple[Choi
                                    [(sp.local_block_shape, sp.dtype) for sp in d_other]))
     rule = Rule("jshard_pipeline", strategies=None, communicates=lambda *_: _sends(sched, axis, x),
                 describe=lambda *_: f"{sched!r}\n{sched.table()}")
-    units = m * v  # forward and backward units per device, each over L/(p*v) layers
+    units, per = m * v, depth // (p * v)  # forward and backward units per device, each over ``per`` layers
+    # a backward unit runs the forward of all but its last layer again first (its layers' inputs)
+    bodies = (Body("layer forward", fwd, fwd_pins, runs=units * (2 * per - 1)),
+              Body("layer backward", bwd, bwd_pins, runs=units * per), Body("tail", tail, tail_pins, runs=m))
     model = model_in_force()
     cost = (move_cost(specs, ins_stacked + ins_other + [ins_x0] + ins_side)
-            + units * (depth // (p * v)) * (fwd.cost + move_cost(fwd.out_specs, fwd_pins) + 2 * bwd.cost)
-            + m * tail.cost + sum(c.cost(model, dict(mesh.shape)) for c in _sends(sched, axis, x)))
-    bodies = (("layer forward", fwd, fwd_pins), ("layer backward", bwd, bwd_pins), ("tail", tail, tail_pins))
+            + sum(b.runs * (b.plan.cost + move_cost(b.plan.out_specs, b.pins)) for b in bodies)
+            + sum(c.cost(model, dict(mesh.shape)) for c in _sends(sched, axis, x)))
     return Choice(tuple(ins_stacked + ins_other + [ins_x0] + ins_side), tuple(outs), cost, rule), kernel, bodies
 
 

@@ -415,6 +415,31 @@ def test_explain_lists_collectives_inside_loops_and_branches():
 
 
 
+@pytest.mark.parametrize("shape", [(8,), (1, 8)])
+def test_explain_counts_what_a_call_runs_beside_what_the_program_holds(shape):
+    """``totals`` lists each body's collectives once, as the program holds them; ``per_call`` as a call runs them:
+    a scan's once per trip, the branch of a cond that moves most, a while loop's once (its trips are unknown)."""
+    def f(x):
+        c = jax.lax.scan(lambda c, _: (jnp.tanh(c + x.sum()), None), 0.0, None, length=5)[0]  # an all-reduce a trip
+        y = jax.lax.cond(c > 0, lambda a: jnp.tanh(a.sum(0)), lambda a: a[0] * 2.0, x)
+        return jax.lax.while_loop(lambda k: k[0] < 3, lambda k: (k[0] + 1, jnp.tanh(k[1] + x.sum())), (0, c))[1] \
+            + y.sum()
+
+    mesh = make_mesh(shape)
+    X = np.random.default_rng(3).normal(size=(8, 4)).astype(np.float32)
+    x = jshard.distribute(X, mesh, (R,) * (len(shape) - 1) + (Shard(0),))
+    ex = jshard.explain(f, x)
+    branches = {r["primitive"].split(" | ")[0]: [k for _, k, _, _ in r["moves"]] for r in ex.rows if r["moves"]}
+    assert branches == {"scan body": ["all_reduce"], "cond branch 0": ["all_to_all"],
+                        "cond branch 1": ["all_reduce"], "while body": ["all_reduce"]}
+    assert ex.totals == {"all_reduce": (3, 4 + 16 + 4), "all_to_all": (1, 32)}
+    assert ex.per_call == {"all_reduce": (5 + 1, 5 * 4 + 4), "all_to_all": (1, 32)}  # branch 0 moves 32 B, 1 16 B
+    assert {r["runs"] for r in ex.rows if r["primitive"].startswith("scan body")} == {5}
+    assert {r["runs"] for r in ex.rows if r["primitive"].startswith("while")} == {None, 1}
+    assert "a call runs: all_reduce x6 (24 B), all_to_all x1 (32 B)" in str(ex)
+    assert_close(jshard.jit(f)(x).full(), f(X), n=64)
+
+
 
 def test_a_long_loop_of_collective_programs_with_donation_keeps_running():
     # XLA:CPU aborts when too many collective programs wait on its thread pool; jshard bounds the queue

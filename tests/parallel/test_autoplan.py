@@ -75,11 +75,13 @@ def test_the_plan_found_trains_like_one_device_and_its_memory_is_predicted(shape
     assert [p.step_us for p in ranked] == sorted(p.step_us for p in ranked)
 
 
-@pytest.mark.parametrize("roles", [("cp", "sp"), ("sp", "cp"), ("fsdp", "dp"), ("tp", "fsdp")])
+@pytest.mark.parametrize("roles", [("cp", "sp"), ("sp", "cp"), ("fsdp", "dp"), ("tp", "fsdp"), ("pp", "sp"),
+                                   ("pp", "fsdp")])
 def test_a_candidate_is_priced_on_its_own_mesh_order(roles):
-    """The bytes a candidate is predicted to move are those its built step's plan moves. Priced with its axes in
-    another order (the mesh renamed by role, then sorted), a sequence split by ``cp`` then ``sp`` was priced as
-    split by ``sp`` then ``cp``, and meets attention's layout otherwise: 1.6x the bytes on the 32-layer GPT."""
+    """The bytes a candidate is predicted to move are those its built step's plan moves in one call, a pipeline's
+    layers once per microbatch and layer. Priced with its axes in another order (the mesh renamed by role, then
+    sorted), a sequence split by ``cp`` then ``sp`` was priced as split by ``sp`` then ``cp``, and meets
+    attention's layout otherwise: 1.6x the bytes on the 32-layer GPT."""
     mesh = make_mesh((2, 4))
     model = nnx.eval_shape(_make())
     tensor = planning._tensor_sides(model, _loss, (IDS, IDS))
@@ -87,7 +89,7 @@ def test_a_candidate_is_priced_on_its_own_mesh_order(roles):
                               _loss, (IDS, IDS), optax.adamw(1e-3), planning._machine(mesh), {})
     step = TrainStep(parallelize(_make(), mesh, priced), optax.adamw(1e-3), _loss)
     batch = [jshard.distribute(a, mesh, list(p)) for a, p in zip(_batches(1)[0], priced.batch, strict=True)]
-    assert priced.bytes_moved == sum(n for _, n in step.explain(*batch).totals.values())
+    assert priced.bytes_moved == sum(n for _, n in step.explain(*batch).per_call.values())
 
 
 def test_a_pipelined_plan_found_trains_like_one_device(one_device):

@@ -260,6 +260,20 @@ def test_explain_shows_the_schedule_and_the_sends_the_program_runs():
     sends = int((schedule.forward[:, :-1] >= 0).any(axis=1).sum() + (schedule.backward[:, 1:] >= 0).any(axis=1).sum())
     assert sends < 2 * schedule.ticks
     assert row["own"] == [("permute", ("pp",), activation, sends)]
+    # a call runs each layer's forward (again before its backward, but for a unit's last layer) and backward once per
+    # microbatch and layer, the tail once per microbatch: their FSDP gathers as many times
+    per = LAYERS // 4
+    runs = {r["primitive"].split(" | ")[0]: r["runs"] for r in explained.rows if " | " in r["primitive"]}
+    assert runs == {"jshard_pipeline layer forward": 4 * (2 * per - 1), "jshard_pipeline layer backward": 4 * per,
+                    "jshard_pipeline tail": 4}
+    counted = {}
+    for r in explained.rows:
+        collectives = [(k, b) for _, k, _, b in r["moves"]] + [(k, b * c) for k, _, b, c in r.get("own", ())]
+        for kind, nbytes in collectives:
+            counted[kind] = counted.get(kind, 0) + nbytes * r["runs"]
+    moved = {kind: nbytes for kind, (_, nbytes) in explained.per_call.items()}  # moves sharing a collective: one
+    assert moved == counted
+    assert explained.per_call["all_gather"][0] > explained.totals["all_gather"][0]
 
 
 def test_pipelined_blocks_are_drawn_stacked_each_stage_drawing_its_own(monkeypatch):
