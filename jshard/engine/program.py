@@ -112,6 +112,8 @@ def trace(fn: Callable, treedef, specs: list[Spec], mesh: Mesh, pins: Callable[[
             _TRACING.reset(token)
         if shared is not None:
             shared[0][shared[1]] = (closed, out_shape)
+    if shared is not None and shared[2] is not None:
+        closed = shared[2](closed)
     out_tree = jax.tree.structure(out_shape)
     pinned = [None if pin is None else Spec.create(mesh, pin, a.shape, a.dtype, where=f"out_placements (output {i})")
               for i, (pin, a) in enumerate(zip(pins(out_tree, len(closed.out_avals)), closed.out_avals, strict=True))]
@@ -131,18 +133,21 @@ _TRACING: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("jshard_t
 
 
 @contextlib.contextmanager
-def shared_trace(store: dict, key: Any) -> Iterator[None]:
+def shared_trace(store: dict, key: Any, adapt: Callable | None = None) -> Iterator[None]:
     """While open, ``trace`` takes its jaxpr from ``store[key]`` when there (else traces and puts it there) and only
     plans it. For a caller tracing functions it knows give one jaxpr (``autoplan``: one step under plans that differ
-    only in which devices each mesh axis holds), so that it plans each of them without tracing it again."""
-    token = _SHARED.set((store, key))
+    only in which devices each mesh axis holds, or in constraints it sets itself), so that it plans each of them
+    without tracing it again. ``adapt(closed jaxpr) -> closed jaxpr`` makes the jaxpr this caller's before it is
+    planned (``autoplan`` sets each candidate's gradient pins in it)."""
+    token = _SHARED.set((store, key, adapt))
     try:
         yield
     finally:
         _SHARED.reset(token)
 
 
-_SHARED: contextvars.ContextVar[tuple[dict, Any] | None] = contextvars.ContextVar("jshard_shared_trace", default=None)
+_SHARED: contextvars.ContextVar[tuple[dict, Any, Callable | None] | None] = contextvars.ContextVar(
+    "jshard_shared_trace", default=None)
 
 
 def _jaxpr(traced: Callable, avals: list, mesh: Mesh) -> tuple[Any, Any]:

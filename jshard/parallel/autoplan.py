@@ -30,9 +30,10 @@ same for 2 blocks or 32, and nothing is ever built. The figures are
 
 The candidates are few once axes of the same size and cost are taken as interchangeable (a role assignment and
 its permutations are one candidate), so the search prices every one and is exact over its space: no solver's
-relaxation, no heuristic pruning, and the runners-up come for free. Candidates whose parameters are placed alike
-by axis name (the same roles on the axes in another order, often; axes are named by their place in the order of
-roles) trace one step between them (``jshard.engine.shared_trace``), and each is planned on its own mesh. A
+relaxation, no heuristic pruning, and the runners-up come for free. Candidates with the same roles on the axes in
+another order, or ``dp`` where the other has ``fsdp`` (priced with FSDP's gathers of parameters already whole,
+``_Whole``), trace one step between them (``jshard.engine.shared_trace``): each pins the gradients in it to its
+own parameters' placements and is planned on its own mesh (axes are named by their place in the order of roles). A
 pipeline's step is one equation whatever the depth (its blocks stacked), priced whole: its layer's forward and
 backward and its tail as its schedule runs them, tick by tick (each tick as long as its slowest device), and its
 kernel's buffers in memory.
@@ -57,7 +58,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..cost import COLLECTIVES, AxisCost, CostModel
 from ..darray import DArray, abstract
-from ..engine import WHILE_TRIPS, JaxprPlan, out_moves, own_collectives, paused_collector, shared_trace
+from ..engine import WHILE_TRIPS, JaxprPlan, constrain_p, out_moves, own_collectives, paused_collector, shared_trace
 from ..jaxcompat import constructing, jc
 from ..placements import Placement, Replicate, Shard
 from ..planner import Plan as MovePlan
@@ -74,12 +75,13 @@ from .styles import (
     RowwiseParallel,
     SequenceParallel,
 )
-from .training import _check_tx, _mirror, step_function
+from .training import GRADIENT_PINS, _check_tx, _mirror, step_function
 
 __all__ = ["ROLES", "autoplan"]
 
 ROLES = ("dp", "fsdp", "tp", "sp", "cp", "pp")
 _TENSOR = ("tp", "sp")
+_TRACED_AS = {"fsdp": "dp"}  # roles whose steps trace alike (see _Whole)
 
 
 def autoplan(make: Callable[[], nnx.Module], mesh: Mesh, loss_fn: Callable, *batch: Any,
@@ -227,10 +229,12 @@ def _microbatches(stages: int, rows: int, data: int) -> int | None:
 
 
 def _styles_of(roles: dict[str, str], tensor: dict, blocks: tuple | None = None,
-               microbatches: int | None = None) -> tuple[dict, tuple]:
+               microbatches: int | None = None, pricing: bool = False) -> tuple[dict, tuple]:
     """``(plan, default)`` for ``parallelize`` from a role assignment (a pipeline runs the blocks at ``blocks`` as
-    ``microbatches`` microbatches)."""
-    default = tuple(FullyShard(a) for a, r in roles.items() if r == "fsdp")
+    ``microbatches`` microbatches); to price it (``pricing``), a data-parallel axis gathers its parameters, whole
+    already, as an FSDP one does (``_Whole``)."""
+    default = tuple(FullyShard(a) if r == "fsdp" else _Whole(a) for a, r in roles.items()
+                    if r == "fsdp" or (pricing and r == "dp"))
     plan: dict[str, tuple[ParallelStyle, ...]] = {}
     for axis, role in roles.items():
         if role == "cp":
@@ -249,6 +253,16 @@ def _styles_of(roles: dict[str, str], tensor: dict, blocks: tuple | None = None,
                 style = SequenceParallel(axis) if seq else ParallelStyle(axis, output=Replicate())
             plan[pattern] = (style,)
     return plan, default
+
+
+@dataclasses.dataclass(frozen=True)
+class _Whole(FullyShard):
+    """Data parallelism as ``autoplan`` prices it: FSDP's gather of a module's parameters while it runs, of
+    parameters already whole on the axis, which the plan drops (the constraint asks for what is there). A
+    data-parallel step then traces as its FSDP twin does, and the two share one trace."""
+
+    def param(self, module, name, shape):
+        return Replicate()
 
 
 def _batch_placements(mesh: Mesh, roles: dict[str, str], batch: tuple) -> tuple[tuple[Placement, ...], ...]:
@@ -377,9 +391,9 @@ def _priced(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, machine: Mac
     stages = [mesh.shape[a] for a, r in roles.items() if r == "pp"]
     data = math.prod(mesh.shape[a] for a, r in roles.items() if r in ("dp", "fsdp"))
     micro = _microbatches(stages[0], min(b.shape[0] for b in batch if b.shape), data) if stages else None
-    plan, default = _styles_of(canonical_roles, tensor, blocks, micro)
+    plan, default = _styles_of(canonical_roles, tensor, blocks, micro, pricing=True)
     placements = _batch_placements(canonical, canonical_roles, batch)
-    shape = (tuple(sorted(canonical_roles.items())),
+    shape = (tuple(sorted((a, _TRACED_AS.get(r, r)) for a, r in canonical_roles.items())),
              tuple(canonical.shape[a] for a, r in canonical_roles.items() if r in ("cp", "pp")),  # traced by size
              canonical.axis_names if stages else None)  # a pipeline's equation holds the mesh's axes in order
     # a pipeline's step is one equation whatever its depth (its blocks stacked): it is priced whole
@@ -409,14 +423,15 @@ def _memory(total: dict[str, float], temps: float) -> Memory:
 
 
 def _canonical(mesh: Mesh, roles: dict[str, str]) -> tuple[dict[str, str], Mesh]:
-    """Each axis's name by its place in the order of roles (``ROLES``: the data axes first), then of sizes: ``x0``,
-    ``x1``, ...; and ``mesh`` with those names, its axes in their own order.
+    """Each axis's name by its place in the order of roles (``ROLES``: the data axes first, ``dp`` and ``fsdp`` as
+    one), then of sizes: ``x0``, ``x1``, ...; and ``mesh`` with those names, its axes in their own order.
 
     Names by place, not by role: the plans of candidates with other roles then ask the engine many of the same
     questions (how to run a matmul whose batch is split on ``x0``, how to move its output), whose answers it keeps.
     The axes keep their order: where two of them split one dim (a sequence under ``sp`` and ``cp``), the order says
     which splits it first, and so which layouts meet without a move."""
-    order = sorted(mesh.axis_names, key=lambda a: (ROLES.index(roles[a]), mesh.shape[a], mesh.axis_names.index(a)))
+    order = sorted(mesh.axis_names, key=lambda a: (ROLES.index(_TRACED_AS.get(roles[a], roles[a])), mesh.shape[a],
+                                                   mesh.axis_names.index(a)))
     names = {a: f"x{i}" for i, a in enumerate(order)}
     return names, Mesh(mesh.devices, tuple(names[a] for a in mesh.axis_names))
 
@@ -434,12 +449,11 @@ def _figures(model, blocks, cut, more, mesh, plan, default, loss_fn, batch, plac
     on specs alone: its figures per device, and the share of them that its last block makes (its forward and
     backward passes, the moves and updates of its parameters and optimizer state), to be counted ``more`` times
     more; its peak memory is found with ``more`` blocks more (``_peak``). The step's jaxpr is shared
-    with the candidates of the same ``key`` whose parameters have the same placements by axis name (their
-    gradients are pinned there by name, so those are in the jaxpr, whatever the order of the mesh's axes)."""
+    with the candidates of the same ``key``, each pinning the gradients in it to its own parameters' placements
+    (``_pinned``)."""
     params, opt, rest, data = _step_inputs(model, mesh, plan, default, placements, batch, tx)
-    pinned = tuple(tuple(sorted(zip(mesh.axis_names, d.placements, strict=True), key=lambda named: named[0]))
-                   for d in _darrays(params))
-    with shared_trace(traces, (key, pinned, blocks, cut)):
+    pins = [tuple(zip(mesh.axis_names, d.placements, strict=True)) for d in _darrays(params)]
+    with shared_trace(traces, (key, blocks, cut), adapt=functools.partial(_pinned, pins)):
         traced = step_function(model, tx, loss_fn).trace(params, opt, rest, *data)
     inside = (lambda path: _within(path, (*blocks, cut - 1))) if blocks is not None else (lambda path: False)
     total = {"batch": sum(d.spec.local_bytes for d in data)}
@@ -470,6 +484,20 @@ def _figures(model, blocks, cut, more, mesh, plan, default, loss_fn, batch, plac
     peak = _peak(plan_, ours, fused)
     total["temps"], total["cut_temps"] = peak(more), peak(0)
     return total, block
+
+
+def _pinned(pins: list[tuple], closed: jc.ClosedJaxpr) -> jc.ClosedJaxpr:
+    """A step's jaxpr with its gradients pinned to ``pins`` (per parameter, in the step's order, ``(axis name,
+    placement)`` pairs): the constraints ``TrainStep`` makes of them, in its ``GRADIENT_PINS`` scope."""
+    eqns, k = [], 0
+    for eqn in closed.jaxpr.eqns:
+        if eqn.primitive is constrain_p and GRADIENT_PINS in str(eqn.source_info.name_stack):
+            eqn = eqn.replace(params=dict(eqn.params, placements=pins[k]))
+            k += 1
+        eqns.append(eqn)
+    if k != len(pins):
+        raise AssertionError(f"autoplan: the step pins {k} gradients, for {len(pins)} parameters")
+    return closed.replace(jaxpr=closed.jaxpr.replace(eqns=eqns))
 
 
 def _step_inputs(model, mesh, plan, default, placements, batch, tx) -> tuple:
@@ -644,17 +672,21 @@ def _backward(eq) -> bool:
 
 
 def _fused(plan: JaxprPlan) -> frozenset:
-    """The values XLA fuses away: made by an elementwise equation and read only by one other elementwise equation
-    or reduction (never an output), so never written to memory."""
+    """The values never written to memory: those XLA fuses away (made by an elementwise equation and read only by
+    one other elementwise equation or reduction, never an output), and an input handed on by a constraint it
+    already meets (``_Whole``'s gathers of whole parameters)."""
     users: dict = {}
+    inputs = set(plan.in_vars)
     for eq in plan.equations:
         for op in eq.operands:
             if not op.literal:
                 users.setdefault(op.value, []).append(eq.eqn.primitive.name)
+        if eq.eqn.primitive is constrain_p and eq.operands[0].value in inputs and eq.operands[0].move is None:
+            inputs.add(eq.outs[0])
     ends = {o for o in plan.outs if not isinstance(o, jc.Literal)}
-    return frozenset(o for eq in plan.equations if eq.eqn.primitive.name in _FUSED for o in eq.outs or ()
-                     if o is not None and o not in ends and len(users.get(o, ())) == 1
-                     and users[o][0] in _FUSED | _READS)
+    fused = (o for eq in plan.equations if eq.eqn.primitive.name in _FUSED for o in eq.outs or ()
+             if o is not None and o not in ends and len(users.get(o, ())) == 1 and users[o][0] in _FUSED | _READS)
+    return frozenset(fused).union(inputs - set(plan.in_vars))
 
 
 def _peak(plan: JaxprPlan, ours: dict[int, str], fused: frozenset) -> Callable[[int], int]:

@@ -52,6 +52,8 @@ from .stages import find_pipelined
 
 __all__ = ["TrainStep", "init_optimizer"]
 
+GRADIENT_PINS = "jshard_gradient_pins"  # the named scope of a step's constraints of its gradients, one per parameter
+
 
 def init_optimizer(tx: optax.GradientTransformation, params: Any) -> Any:
     """``tx.init(params)`` with every subtree shaped like ``params`` placed like it, the rest Replicate.
@@ -247,7 +249,8 @@ def step_function(model: nnx.Module, tx: optax.GradientTransformation, loss_fn: 
         else:
             (loss, rest), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
         leaves, tree = jax.tree.flatten(grads)
-        grads = jax.tree.unflatten(tree, [constrain(g, p) for g, p in zip(leaves, grad_placements, strict=True)])
+        with jax.named_scope(GRADIENT_PINS):  # autoplan finds them by it (it pins them per candidate)
+            grads = jax.tree.unflatten(tree, [constrain(g, p) for g, p in zip(leaves, grad_placements, strict=True)])
         params, opt_state = update(grads, opt_state, params)
         return params, opt_state, rest, loss
 
