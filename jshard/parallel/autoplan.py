@@ -739,7 +739,7 @@ def _pipeline_held(eq) -> int:
     x0 = eq.choice.ins[n + k]
     sched = make_schedule(prm["kind"], x0.mesh.shape[prm["axis"]], x0.shape[0], prm["virtual"])
     forward, backward, tail = (_peak(b.plan, {}, _fused(b.plan))(0) for b in eq.bodies)
-    bodies = max(forward, backward) + tail  # the last stage's tick runs the tail beside a unit
+    bodies = max(forward, backward, tail)  # one at a time: the tail after the forward unit, the backward after both
     return 3 * prm["virtual"] * sched.slots * (x0.local_bytes // x0.shape[0]) + bodies
 
 
