@@ -772,7 +772,7 @@ _READS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin"
 class Machine(NamedTuple):
     """What the mesh's devices were measured to do, all of them at once: matmul FLOPs per µs and bytes of their own
     memory written per µs, per device; and the cost of collectives among them (a ``CostModel`` fitted to an
-    all-reduce of a small and a large buffer)."""
+    all-reduce of a small and a large buffer and an all-gather of a small one)."""
 
     flops_per_us: float
     bytes_per_us: float
@@ -790,24 +790,34 @@ def _measured(devices: tuple) -> Machine:
     big = _ones((n * 2**20,), split)
     write = _seconds(jax.jit(lambda x: x * 2.0 + 1.0), big)
     if n > 1:
-        def summed(size):
+        def timed(collective, size):
             x = _ones((n * size,), split)
-            f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "d"), mesh=mesh, in_specs=PartitionSpec("d"),
-                                      out_specs=PartitionSpec("d")))
+            f = jax.jit(jax.shard_map(collective, mesh=mesh, in_specs=PartitionSpec("d"), out_specs=PartitionSpec("d")))
             return _seconds(f, x) * 1e6
-        small, large = summed(256), summed(2**20)
+
+        def summed(x):
+            return jax.lax.psum(x, "d")
+
+        def gathered(x):
+            return jax.lax.all_gather(x, "d", tiled=True)
+
+        small, large, gather = timed(summed, 256), timed(summed, 2**20), timed(gathered, 256)
     else:
-        small = large = 0.0
-    figures = np.array([2 * 2 * rows * k * k / (matmul * 1e6), 2 * 4 * 2**20 / (write * 1e6), small, large])
+        small = large = gather = 0.0
+    figures = np.array([2 * 2 * rows * k * k / (matmul * 1e6), 2 * 4 * 2**20 / (write * 1e6), small, large, gather])
     if jax.process_count() > 1:  # every process must find the same plan: process 0's measurements for all
         from jax.experimental import multihost_utils
         figures = np.asarray(multihost_utils.broadcast_one_to_all(figures.astype(np.float32)), np.float64)
-    flops, written, small, large = figures.tolist()
+    flops, written, small, large, gather = figures.tolist()
     links = CostModel()
     if n > 1:
+        # a small all-reduce takes 2 (n - 1) steps of a ring, a small all-gather n - 1: a collective's fixed cost
+        # (launch) and each step's (latency) from the two
+        latency = max(small - gather, 0.0) / (n - 1)
         volume = 4 * 2**20 * 2 * (n - 1) / n
-        links = CostModel(launch_us=0.0, default=AxisCost(latency_us=small / (2 * (n - 1)),
-                                                          bandwidth_gbps=volume / max(large - small, 1e-3) / 1e3))
+        links = CostModel(launch_us=max(small - 2 * (n - 1) * latency, 0.0),
+                          default=AxisCost(latency_us=latency,
+                                           bandwidth_gbps=volume / max(large - small, 1e-3) / 1e3))
     return Machine(flops, written, links)
 
 
