@@ -385,9 +385,21 @@ def _compared(row: dict, found: Side | None, hands: dict[str, Side]) -> dict:
 
 
 def _least(error: str) -> str:
-    """The smallest predicted memory autoplan's error names, in MB (its message, where it names none)."""
+    """What autoplan's error says came nearest the budget, in MB: the smallest predicted plan, or the plans predicted
+    to fit that the compiler refused, with their compiled memory (its message, where it names neither).
+
+    >>> _least("autoplan: no plan fits ...; the smallest is fsdp(a) at 6,551,432 bytes predicted; raise ...")
+    'predicted fsdp(a) 6.25 MB'
+    >>> _least("... once compiled: pp(a)+sp(b): over the budget compiled: 3,632,244 bytes (predicted 3,501,832); ...")
+    'compiled pp(a)+sp(b) 3.46 MB'
+    """
     found = re.search(r"the smallest is (\S+) at ([\d,]+) bytes", error)
-    return f"{found.group(1)} {_mb(int(found.group(2).replace(',', '')))} MB" if found else error
+    if found:
+        return f"predicted {found.group(1)} {_mb(int(found.group(2).replace(',', '')))} MB"
+    compiled = re.findall(r"(\S+): over the budget compiled: ([\d,]+) bytes", error)
+    if compiled:
+        return "compiled " + ", ".join(f"{name} {_mb(int(n.replace(',', '')))} MB" for name, n in compiled)
+    return error
 
 
 def _mb(n: float | None) -> str:
@@ -415,7 +427,7 @@ def _print_table(cases: list[dict], large: list[dict]) -> None:
             if r["found"] is None:
                 hand = (f"; hand plans that fit: {', '.join(r['fitting_hands'])} (best {r['best_hand']}, "
                         f"{r['best_hand_step_ms']} ms)" if r["fitting_hands"] else "; no hand plan fits either")
-                print(f"  {budget:<16} autoplan found none: smallest predicted {_least(r['error'])}{hand}")
+                print(f"  {budget:<16} autoplan found none: smallest {_least(r['error'])}{hand}")
                 continue
             print(f"  {budget:<16} {r['found']:<26} {r['solve_s']:>7.2f} {_mb(r['predicted']['memory_total']):>8} "
                   f"{_mb(r['predicted'].get('compiled_bytes')):>8} {_mb(r.get('measured_bytes')):>8} "
