@@ -382,9 +382,9 @@ def _priced(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, machine: Mac
     """A candidate's Plan: its figures from the model cut to two blocks, the second block's share (a block between
     blocks, as all but the first are) counted once more for each further block of the model.
 
-    It is priced on its own mesh with the axes renamed by role (``_canonical``): every candidate whose parameters
-    are then placed alike by axis name (the same roles in either order, often) traces the same step, which
-    ``traces`` keeps (and the model cut), and only its plan is made again."""
+    It is priced on its own mesh with the axes renamed by role (``_canonical``): every candidate with the same roles
+    in either order, ``dp`` and ``fsdp`` taken as one (``_Whole``), traces the same step, which ``traces`` keeps
+    (and the model cut), and only its plan is made again, with its own gradient pins (``_pinned``)."""
     names, canonical = _canonical(mesh, roles)
     canonical_roles = {names[a]: r for a, r in roles.items()}
     depth = len(list(_at(model, blocks))) if blocks is not None else 1
@@ -681,8 +681,10 @@ def _fused(plan: JaxprPlan) -> frozenset:
         for op in eq.operands:
             if not op.literal:
                 users.setdefault(op.value, []).append(eq.eqn.primitive.name)
-        if eq.eqn.primitive is constrain_p and eq.operands[0].value in inputs and eq.operands[0].move is None:
-            inputs.add(eq.outs[0])
+        (op, *_), (out, *_) = eq.operands or (None,), eq.outs or (None,)
+        if eq.eqn.primitive is constrain_p and not op.literal and op.value in inputs and op.move is None \
+                and out is not None:
+            inputs.add(out)
     ends = {o for o in plan.outs if not isinstance(o, jc.Literal)}
     fused = (o for eq in plan.equations if eq.eqn.primitive.name in _FUSED for o in eq.outs or ()
              if o is not None and o not in ends and len(users.get(o, ())) == 1 and users[o][0] in _FUSED | _READS)

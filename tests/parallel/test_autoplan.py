@@ -286,3 +286,23 @@ def test_autoplan_refuses_bad_arguments_naming_them(args, kwargs, error, match):
         autoplan(*args, make_mesh((2, 4)), _loss, IDS, **kwargs)
     with pytest.raises(ValueError, match="pass the batch"):
         autoplan(_make(), make_mesh((2, 4)), _loss)
+
+
+def test_a_constant_constrained_in_the_loss_is_priced():
+    """A constraint on a literal (a scalar the loss pins) is no input handed on: the search prices it as any
+    value (a literal's value cannot key the walk's sets: a numpy array is unhashable)."""
+    mesh = make_mesh((8,))
+    axis = mesh.axis_names[0]
+
+    def loss(m, x):  # one placement per mesh axis: autoplan prices candidates on renamed axes
+        return jnp.mean(m(x) ** 2) * jshard.constrain(np.float32(2.0), [jshard.Replicate()])
+
+    make = lambda: nnx.Linear(16, 16, rngs=nnx.Rngs(0))  # noqa: E731
+    x = jax.ShapeDtypeStruct((16, 16), jnp.float32)
+    plan = autoplan(make, mesh, loss, x, styles=("dp", "fsdp"))
+    assert plan.roles == {axis: plan.roles[axis]} and plan.memory.total > 0
+    step = TrainStep(parallelize(make, mesh, plan), optax.sgd(0.1), loss)
+    X = np.random.default_rng(0).normal(size=(16, 16)).astype(np.float32)
+    got = float(step(jshard.distribute(X, mesh, list(plan.batch[0]))).full())
+    model = make()
+    np.testing.assert_allclose(got, float(jnp.mean(model(X) ** 2) * 2.0), rtol=1e-5)
