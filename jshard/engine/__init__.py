@@ -13,7 +13,7 @@ Each module is a step of the way:
 - ``constrain``: the primitive behind ``jshard.constrain``.
 """
 
-from .constrain import constrain_p, constrain_target
+from .constrain import axis_aliases, constrain_p, constrain_target
 from .control import WHILE_TRIPS  # importing it registers scan, while and cond with the walk
 from .kernel import communicates, local_equation, local_function, moved_together, out_moves, own_collectives
 from .program import TRACED_DARRAY, Program, Traced, compile_program, paused_collector, shared_trace, trace
@@ -21,6 +21,6 @@ from .walk import REUSED, Body, EquationPlan, JaxprPlan, Operand, Value, plan_ja
 
 __all__ = ["WHILE_TRIPS", "Body", "EquationPlan", "JaxprPlan", "Operand", "Program", "REUSED", "TRACED_DARRAY",
            "Traced", "Value",
-           "communicates", "compile_program", "constrain_p", "constrain_target", "local_equation",
+           "axis_aliases", "communicates", "compile_program", "constrain_p", "constrain_target", "local_equation",
            "local_function", "moved_together", "out_moves", "own_collectives", "paused_collector", "plan_jaxpr",
            "replicated", "shared_trace", "trace"]

@@ -18,7 +18,8 @@ from ..jaxcompat import ad, batching, jc, mlir
 from ..placements import PlacementError, Replicate, normalize_placements
 from ..spec import Spec, format_mesh
 
-__all__ = ["check_placements", "constrain_p", "constrain_target", "hidden_axis", "without_hidden_axis"]
+__all__ = ["axis_aliases", "check_placements", "constrain_p", "constrain_target", "hidden_axis",
+           "without_hidden_axis"]
 
 # (axis, mesh axis names) while a pipelined layer is traced: its program is planned on the mesh without that axis
 _HIDDEN: contextvars.ContextVar[tuple[str, tuple[str, ...]] | None] = contextvars.ContextVar("jshard_hidden_axis",
@@ -36,6 +37,26 @@ def hidden_axis(axis: str, names: tuple[str, ...]):
         _HIDDEN.reset(token)
 
 
+# {the user's mesh axis name: its name on the mesh planned} while autoplan prices a plan on renamed axes
+_ALIASES: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("jshard_axis_aliases", default={})
+
+
+@contextlib.contextmanager
+def axis_aliases(names: dict[str, str]):
+    """While a step is traced and planned on a mesh whose axes were renamed (``autoplan`` prices each candidate on
+    axes named by role): ``names`` maps each of the user's axis names to its new one, so that a ``jshard.constrain``
+    dict written with the user's names keeps meaning the same axes."""
+    token = _ALIASES.set(dict(names))
+    try:
+        yield
+    finally:
+        _ALIASES.reset(token)
+
+
+def _aliased(name: str) -> str:
+    return _ALIASES.get().get(name, name)
+
+
 def without_hidden_axis(entries: tuple) -> tuple:
     """``jshard.constrain``'s placements with the hidden axis taken out (see ``hidden_axis``); as they are
     elsewhere. A stage cannot place a value along that axis: the axis holds the other stages."""
@@ -44,8 +65,8 @@ def without_hidden_axis(entries: tuple) -> tuple:
         return entries
     axis, names = hidden
     if entries and isinstance(entries[0], tuple):  # (axis name, placement) pairs
-        kept = tuple((name, p) for name, p in entries if name != axis)
-        dropped = [p for name, p in entries if name == axis]
+        kept = tuple((name, p) for name, p in entries if _aliased(name) != axis)
+        dropped = [p for name, p in entries if _aliased(name) == axis]
     elif len(entries) == len(names):
         i = names.index(axis)
         kept, dropped = entries[:i] + entries[i + 1:], [entries[i]]
@@ -81,6 +102,7 @@ def constrain_target(spec: Spec, placements: tuple) -> Spec:
     if placements and isinstance(placements[0], tuple):  # (axis name, placement) pairs
         names = list(spec.mesh.axis_names)
         for name, p in placements:
+            name = _aliased(name)
             if name not in names:
                 raise ValueError(f"jshard.constrain: mesh axis {name!r} is not in the mesh {format_mesh(spec.mesh)}; "
                                  f"name one of {names}")

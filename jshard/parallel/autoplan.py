@@ -58,7 +58,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..cost import COLLECTIVES, AxisCost, CostModel
 from ..darray import DArray, abstract
-from ..engine import WHILE_TRIPS, JaxprPlan, constrain_p, out_moves, own_collectives, paused_collector, shared_trace
+from ..engine import (WHILE_TRIPS, JaxprPlan, axis_aliases, constrain_p, out_moves, own_collectives, paused_collector,
+                      shared_trace)
 from ..jaxcompat import constructing, jc
 from ..placements import Placement, Replicate, Shard
 from ..planner import Plan as MovePlan
@@ -402,8 +403,9 @@ def _priced(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, machine: Mac
     if ("cut", scoped, cut) not in traces:  # cutting a deep model costs more than copying the cut one
         traces["cut", scoped, cut] = nnx.split(_cut(model, scoped, cut))
     small = nnx.merge(*traces["cut", scoped, cut], copy=True)  # a copy: parallelize_shapes changes it
-    total, block = _figures(small, scoped, cut, depth - cut, canonical, plan, default, loss_fn,
-                            batch, placements, tx, machine, traces, shape)
+    with axis_aliases(names):  # a jshard.constrain dict in the loss names the user's axes
+        total, block = _figures(small, scoped, cut, depth - cut, canonical, plan, default, loss_fn,
+                                batch, placements, tx, machine, traces, shape)
     at_cut = _memory(total, total["cut_temps"]).total  # the cut model's own, before the further blocks
     total = {k: v + (depth - cut) * block.get(k, 0.0) for k, v in total.items()}
     compute_us = (total["flops"] / machine.flops_per_us + total["written"] / machine.bytes_per_us

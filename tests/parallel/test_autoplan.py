@@ -306,3 +306,28 @@ def test_a_constant_constrained_in_the_loss_is_priced():
     got = float(step(jshard.distribute(X, mesh, list(plan.batch[0]))).full())
     model = make()
     np.testing.assert_allclose(got, float(jnp.mean(model(X) ** 2) * 2.0), rtol=1e-5)
+
+
+def test_a_constraint_naming_the_users_axes_means_them_in_every_candidate(one_device):
+    """A ``jshard.constrain`` dict in the loss names the user's mesh axes; the search prices each candidate on axes
+    renamed by role, where those names mean the same axes (``engine.axis_aliases``). Before, every candidate failed:
+    "mesh axis 'x' is not in the mesh"."""
+    mesh = make_mesh((2, 4))
+    first, second = mesh.axis_names
+
+    def loss(model, ids, labels):  # the logits' batch split over the second axis, as the user's mesh calls it
+        return cross_entropy(jshard.constrain(model(ids), {second: jshard.Shard(0)}), labels)
+
+    plan = autoplan(_make(), mesh, loss, IDS, IDS, tx=optax.adamw(1e-2), styles=("dp", "tp", "pp"), runners_up=8)
+    every = [plan, *plan.runners_up]
+    assert len(every) >= 5 and not any("not in the mesh" in why for _, why in plan.rejected), plan.rejected
+    for p in every:  # the bytes priced are those the built step moves, the constraint's move among them
+        if "pp" in p.roles.values():
+            continue  # a pipeline's bytes are checked against explain in test_a_candidate_is_priced_on_its_own_mesh_order
+        step = TrainStep(parallelize(_make(), mesh, p), optax.adamw(1e-2), loss)
+        batch = [jshard.distribute(a, mesh, list(q)) for a, q in zip(_batches(1)[0], p.batch, strict=True)]
+        assert p.bytes_moved == sum(n for _, n in step.explain(*batch).per_call.values()), p.name
+    step = TrainStep(parallelize(_make(), mesh, plan), optax.adamw(1e-2), loss)
+    losses = [float(step(*[jshard.distribute(a, mesh, list(q)) for a, q in zip(b, plan.batch, strict=True)]).full())
+              for b in _batches()]
+    np.testing.assert_allclose(losses, one_device, rtol=2e-5)
