@@ -58,8 +58,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..cost import COLLECTIVES, AxisCost, CostModel
 from ..darray import DArray, abstract
-from ..engine import (WHILE_TRIPS, JaxprPlan, axis_aliases, constrain_p, out_moves, own_collectives, paused_collector,
-                      shared_trace)
+from ..engine import (
+    WHILE_TRIPS,
+    JaxprPlan,
+    axis_aliases,
+    constrain_p,
+    out_moves,
+    own_collectives,
+    paused_collector,
+    shared_trace,
+)
 from ..jaxcompat import constructing, jc
 from ..placements import Placement, Replicate, Shard
 from ..planner import Plan as MovePlan
