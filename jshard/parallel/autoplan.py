@@ -691,10 +691,10 @@ def _fused(plan: JaxprPlan) -> frozenset:
         for op in eq.operands:
             if not op.literal:
                 users.setdefault(op.value, []).append(eq.eqn.primitive.name)
-        (op, *_), (out, *_) = eq.operands or (None,), eq.outs or (None,)
-        if eq.eqn.primitive is constrain_p and not op.literal and op.value in inputs and op.move is None \
-                and out is not None:
-            inputs.add(out)
+        if eq.eqn.primitive is constrain_p:  # one operand, one output (None: dropped)
+            op, out = eq.operands[0], eq.outs[0]
+            if not op.literal and op.value in inputs and op.move is None and out is not None:
+                inputs.add(out)
     ends = {o for o in plan.outs if not isinstance(o, jc.Literal)}
     fused = (o for eq in plan.equations if eq.eqn.primitive.name in _FUSED for o in eq.outs or ()
              if o is not None and o not in ends and len(users.get(o, ())) == 1 and users[o][0] in _FUSED | _READS)
