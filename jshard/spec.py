@@ -53,9 +53,10 @@ class LayoutError(ValueError):
     """A spec whose layout has no equivalent in the requested JAX form (PartitionSpec, NamedSharding)."""
 
 
-def format_mesh(mesh: Mesh) -> str:
-    """``mesh(dp=2, tp=4)``."""
-    return "mesh(" + ", ".join(f"{n}={s}" for n, s in zip(mesh.axis_names, mesh.devices.shape, strict=True)) + ")"
+def format_mesh(mesh: Mesh, names: Sequence[str] | None = None) -> str:
+    """``mesh(dp=2, tp=4)``; ``names`` in place of the mesh's own axis names."""
+    names = mesh.axis_names if names is None else names
+    return "mesh(" + ", ".join(f"{n}={s}" for n, s in zip(names, mesh.devices.shape, strict=True)) + ")"
 
 
 def check_mesh(mesh, where: str) -> Mesh:

@@ -57,6 +57,16 @@ def _aliased(name: str) -> str:
     return _ALIASES.get().get(name, name)
 
 
+def _users_names(names: list[str]) -> list[str]:
+    """Axis names as the user calls them (an error under ``axis_aliases`` names the user's mesh, not the renamed)."""
+    users = {new: old for old, new in _ALIASES.get().items()}
+    return [users.get(n, n) for n in names]
+
+
+def _users_mesh(mesh) -> str:
+    return format_mesh(mesh, _users_names(list(mesh.axis_names)))
+
+
 def without_hidden_axis(entries: tuple) -> tuple:
     """``jshard.constrain``'s placements with the hidden axis taken out (see ``hidden_axis``); as they are
     elsewhere. A stage cannot place a value along that axis: the axis holds the other stages."""
@@ -102,15 +112,14 @@ def constrain_target(spec: Spec, placements: tuple) -> Spec:
     if placements and isinstance(placements[0], tuple):  # (axis name, placement) pairs
         names = list(spec.mesh.axis_names)
         for name, p in placements:
-            name = _aliased(name)
-            if name not in names:
-                raise ValueError(f"jshard.constrain: mesh axis {name!r} is not in the mesh {format_mesh(spec.mesh)}; "
-                                 f"name one of {names}")
-            current[names.index(name)] = p
+            if _aliased(name) not in names:
+                raise ValueError(f"jshard.constrain: mesh axis {name!r} is not in the mesh {_users_mesh(spec.mesh)}; "
+                                 f"name one of {_users_names(names)}")
+            current[names.index(_aliased(name))] = p
     else:
         if len(placements) != len(current):
             raise ValueError(f"jshard.constrain: {len(placements)} placements for the {len(current)} axes of "
-                             f"{format_mesh(spec.mesh)}; give one per axis (None keeps an axis as it is)")
+                             f"{_users_mesh(spec.mesh)}; give one per axis (None keeps an axis as it is)")
         current = [c if p is None else p for p, c in zip(placements, current, strict=True)]
     return spec.with_placements(current, where="jshard.constrain")
 

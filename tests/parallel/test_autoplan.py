@@ -4,6 +4,7 @@ step, budgets hold, the depth extrapolation is exact, the dataflow reads Megatro
 from __future__ import annotations
 
 import importlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -330,3 +331,16 @@ def test_a_constraint_naming_the_users_axes_means_them_in_every_candidate(one_de
     losses = [float(step(*[jshard.distribute(a, mesh, list(q)) for a, q in zip(b, plan.batch, strict=True)]).full())
               for b in _batches()]
     np.testing.assert_allclose(losses, one_device, rtol=2e-5)
+
+
+def test_a_constraint_naming_an_axis_the_mesh_lacks_is_refused_in_the_users_names():
+    """Under the renamed axes of the search, the error still names the user's mesh, not the names it prices on."""
+    mesh = make_mesh((2, 4))
+
+    def loss(model, ids, labels):
+        return cross_entropy(jshard.constrain(model(ids), {"model": jshard.Shard(0)}), labels)
+
+    names = "mesh(" + ", ".join(f"{a}={n}" for a, n in mesh.shape.items()) + ")"
+    with pytest.raises(ValueError, match=rf"mesh axis 'model' is not in the mesh {re.escape(names)}") as e:
+        autoplan(_make(), mesh, loss, IDS, IDS, styles=("dp", "fsdp"))
+    assert "x0" not in str(e.value) and "x1" not in str(e.value)
