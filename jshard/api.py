@@ -50,7 +50,7 @@ from .arguments import (
 from .caches import Cache
 from .cost import CostModel
 from .darray import DArray, distribute
-from .engine import compile_program, constrain_p, constrain_target, replicated, trace
+from .engine import Program, compile_program, constrain_p, constrain_target, replicated, trace
 from .engine.constrain import check_placements, without_hidden_axis
 from .explanation import Explanation, explanation
 from .jaxcompat import source_info_util
@@ -141,7 +141,7 @@ class Jitted:
 
     def __call__(self, *args, **kwargs) -> Any:
         # steady-state paths (Python work here is paid on every step): DArray arguments only, recognised by
-        # their specs (flat positional calls) or by the tree structure, which carries each DArray's spec
+        # their specs (flat positional calls) or by the tree structure and the leaves' specs
         if not self.static:
             if not kwargs:
                 try:
@@ -153,21 +153,35 @@ class Jitted:
                 if program is not None:
                     self._by_specs.last = (specs, program)
                     return program.call(list(map(_BLOCK, args)))
-            blocks, tree = jax.tree.flatten((args, kwargs))
-            program = self._by_tree.get(tree)
+            leaves, tree = jax.tree.flatten((args, kwargs))
+            program = self._steady(leaves, tree)
             if program is not None:
-                return program.call(blocks)
-        leaves = jax.tree.leaves((args, kwargs), is_leaf=is_darray)
+                return program.call(list(map(_BLOCK, leaves)))
+        else:
+            leaves = jax.tree.leaves((args, kwargs))
         # inside another trace; with a DArray beside the tracers (one the enclosing function closed over) the call
         # is refused below instead, naming the traced argument
         if any(isinstance(a, jax.core.Tracer) for a in leaves) and not any(isinstance(a, DArray) for a in leaves):
             return self._inline(args, kwargs)
         program, darrays = self._prepare(args, kwargs)
         if not self.static and all(isinstance(a, DArray) for a in leaves):
-            self._by_tree.put(jax.tree.structure((args, kwargs)), program)
+            self._by_tree.put((jax.tree.structure((args, kwargs)), tuple(a.spec for a in leaves)), program)
             if not kwargs and all(type(a) is DArray for a in args):
                 self._by_specs.put(tuple(a.spec for a in args), program)
         return program.call([d.block for d in darrays])
+
+    def steady(self, *args, **kwargs) -> Program | None:
+        """The compiled program a call with these arguments runs without tracing (an earlier call with DArrays of
+        the same specs in the same tree made it), else None. ``TrainStep`` keeps its state flat by it."""
+        leaves, tree = jax.tree.flatten((args, kwargs))
+        return None if self.static else self._steady(leaves, tree)
+
+    def _steady(self, leaves: list, tree) -> Program | None:
+        try:
+            specs = tuple(map(_SPEC, leaves))
+        except AttributeError:  # not all DArrays
+            return None
+        return self._by_tree.get((tree, specs))
 
     def _inline(self, args: tuple, kwargs: dict) -> Any:
         """A call inside another trace (an enclosing ``jshard.jit``, ``jax.jit``, ``jax.grad``): the function runs

@@ -3,9 +3,14 @@
 The storage is one ``jax.Array``: every device's block, padded to the largest local shape, one after another
 along dim 0 in mesh device order, with dim 0 sharded over all mesh axes (``Spec.block_shape``,
 ``block_sharding``), so every device holds exactly its own block.
-That represents every placement alike (Partial, StridedShard, uneven shards). A DArray is a pytree whose
-only leaf is that block array (the spec is static), so it passes through ``jax.jit``, ``jax.tree``
-utilities and Flax containers.
+That represents every placement alike (Partial, StridedShard, uneven shards).
+
+A DArray is the array it stands for wherever JAX code meets it, as a ``jax.Array`` is: a leaf of ``jax.tree``
+utilities (``jax.tree.map(lambda v: v.shape, tree)`` gives global shapes), and a value that ``jnp`` functions,
+``jax.jit`` and JAX's transformations take. There it is the ``jax.Array`` with the equivalent ``NamedSharding``
+(``DArray.as_jax``: zero copy where JAX expresses the layout; pending reductions completed and layouts JAX has no
+sharding for gathered along their dims first), on the mesh's devices with Auto axes, so JAX plans it as GSPMD does
+and gives ``jax.Array`` results. jshard's own programs take the block storage as it is.
 
 >>> import jax, numpy as np
 >>> from jshard import distribute, Shard, Replicate
@@ -20,6 +25,7 @@ DArray(f32[10,2] (S(0), R) on mesh(dp=2, tp=4))
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import math
 import os
@@ -28,10 +34,10 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from .cost import CostModel
-from .jaxcompat import source_info_util
+from .jaxcompat import register_array_type, source_info_util
 from .lowering import compile_plan
 from .placements import Placement, Replicate, format_placements
 from .planner import check_cost_model, plan_redistribute
@@ -45,7 +51,6 @@ __all__ = ["DArray", "DeletedArrayError", "abstract", "adopt", "distribute", "fr
 source_info_util.register_exclusion(os.path.abspath(__file__))
 
 
-@jax.tree_util.register_pytree_node_class
 class DArray:
     """A distributed array: block storage plus the spec that says what each block means.
 
@@ -54,19 +59,12 @@ class DArray:
     (``x + y``, ``x @ w``, ``x[1:]``, ``x.sum()``) are attached by ``jshard.operators``, above the engine.
     """
 
-    __slots__ = ("block", "spec")
+    __slots__ = ("_jax", "block", "spec")
 
     def __init__(self, block: jax.Array, spec: Spec):
         self.block = block
         self.spec = spec
-
-    # -- pytree -----------------------------------------------------------------------------------
-    def tree_flatten(self):
-        return (self.block,), self.spec
-
-    @classmethod
-    def tree_unflatten(cls, spec, children):
-        return cls(children[0], spec)
+        self._jax = None  # as_jax's answer where it had to move the value: a block never changes
 
     # -- attributes -------------------------------------------------------------------------------
     @property
@@ -187,6 +185,45 @@ class DArray:
         return jax.make_array_from_single_device_arrays(
             self.shape, sharding, [s.data.reshape(local) for s in self.block.addressable_shards]
         )
+
+    def as_jax(self) -> jax.Array:
+        """The ``jax.Array`` plain JAX code sees for this DArray (``jnp.sum(x)``, ``jax.jit(f)(x)``): the same global
+        value with a ``NamedSharding`` on the mesh's devices with Auto axes, so JAX's ops never raise
+        explicit-sharding errors on it. Zero copy where the layout has a ``NamedSharding``; otherwise moved first to
+        the nearest layout that has one (``Spec.nearest_jax_layout``: pending reductions completed, unevenly split
+        dims gathered along those axes only), never to one device, and that move is made once per DArray.
+
+        >>> import jax, jax.numpy as jnp, numpy as np; from jshard import distribute, Shard
+        >>> x = distribute(np.arange(8.0), jax.make_mesh((8,), ("x",)), [Shard(0)])
+        >>> float(jnp.sum(x)), tuple(x.as_jax().sharding.spec)
+        (28.0, ('x',))
+        """
+        if not isinstance(self.block, jax.Array) or isinstance(self.block, jax.core.Tracer):
+            # not a TypeError: JAX would put its own message ("a non-array argument") in place of this one
+            raise ValueError(f"{self!r} holds no value here (its block is {type(self.block).__name__}): it is "
+                            "jshard's stand-in while a step is traced or priced. Pass DArrays to the function "
+                            "jshard.jit compiles, not to JAX inside it")
+        self._check_live("as_jax")
+        if self._jax is not None:
+            return self._jax
+        target = self.spec.nearest_jax_layout()
+        near = self if target == self.placements else self.redistribute(target)
+        sharding = NamedSharding(auto_mesh(self.mesh), near.spec.to_partition_spec(where="as_jax"))
+        local = near.spec.local_block_shape
+        array = jax.make_array_from_single_device_arrays(
+            self.shape, sharding, [s.data.reshape(local) for s in near.block.addressable_shards])
+        if near is not self:  # kept: it cost a program. A view of the block is not, so donating the block stays free
+            self._jax = array
+        return array
+
+    @property
+    def sharding(self) -> NamedSharding:
+        """The sharding of ``as_jax()``, read off the spec (nothing moves): where ``jax.jit`` finds the argument."""
+        target = self.spec.with_placements(self.spec.nearest_jax_layout(), where="sharding")
+        return NamedSharding(auto_mesh(self.mesh), target.to_partition_spec(where="sharding"))
+
+    def __jax_array__(self) -> jax.Array:
+        return self.as_jax()
 
     def to_local(self) -> list[jax.Array | None]:
         """Every device's local array with its true (possibly uneven or empty) shape, in mesh device
@@ -449,6 +486,12 @@ def adopt(x: jax.Array, mesh: Mesh, what: str) -> DArray | None:
     raise ValueError(f"jshard.jit: {what} is a jax.Array {x.aval.str_short()} on {format_mesh(x.sharding.mesh)}, "
                      f"spanning other processes, but the call runs on {format_mesh(mesh)}; put it on that mesh "
                      "(jax.device_put(x, NamedSharding(mesh, spec))) or use jshard.from_jax")
+
+
+@functools.lru_cache(maxsize=64)
+def auto_mesh(mesh: Mesh) -> Mesh:
+    """``mesh`` with every axis Auto: what a DArray is on when plain JAX reads it (``DArray.as_jax``)."""
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
 def same_devices(a: Mesh, b: Mesh) -> bool:
@@ -718,3 +761,7 @@ def donation_of(block: jax.Array) -> str | None:
             if b is block:
                 return slot.describe(i)
     return None
+
+
+# JAX code meets a DArray as the jax.Array it stands for: jnp functions, jax.jit arguments, transformations
+register_array_type(DArray, DArray.as_jax)

@@ -61,16 +61,32 @@ class Block(nnx.Module):
 
 
 class GPT(nnx.Module):
-    def __init__(self, vocab: int, dim: int, heads: int, layers: int, seq: int, rngs: nnx.Rngs):
+    """``scan=True`` stacks the blocks (one ``Block`` built by ``nnx.vmap``, its parameters ``(layers, ...)``) and runs
+    them with ``nnx.scan``, as deep JAX models keep their compile time flat (MaxText's ``scan_layers``)."""
+
+    def __init__(self, vocab: int, dim: int, heads: int, layers: int, seq: int, rngs: nnx.Rngs, *,
+                 scan: bool = False):
         self.tok, self.pos = nnx.Embed(vocab, dim, rngs=rngs), nnx.Embed(seq, dim, rngs=rngs)
-        self.blocks = nnx.List([Block(dim, heads, rngs) for _ in range(layers)])
+        self.scan = scan
+        if scan:
+            @nnx.split_rngs(splits=layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def stacked(rngs):
+                return Block(dim, heads, rngs)
+
+            self.blocks = stacked(rngs)
+        else:
+            self.blocks = nnx.List([Block(dim, heads, rngs) for _ in range(layers)])
         self.ln = nnx.LayerNorm(dim, rngs=rngs)
         self.head = nnx.Linear(dim, vocab, rngs=rngs)
 
     def __call__(self, ids):
         x = self.tok(ids) + self.pos(jnp.arange(ids.shape[1]))
-        for block in self.blocks:
-            x = block(x)
+        if self.scan:
+            x = nnx.scan(lambda x, block: block(x), in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.blocks)
+        else:
+            for block in self.blocks:
+                x = block(x)
         return self.head(self.ln(x))
 
 
@@ -99,7 +115,8 @@ def summed_terms(vocab: int, dim: int, layers: int, seq: int, batch: int, *, ste
 
 
 def plan(style: str, dp: str = "dp", tp: str = "tp", cp: str = "cp", method: str = "auto", pp: str = "pp",
-         microbatches: int = 4, schedule: str = "1f1b", virtual_stages: int = 1) -> tuple[dict, tuple]:
+         microbatches: int = 4, schedule: str = "1f1b", virtual_stages: int = 1, *,
+         scan: bool = False) -> tuple[dict, tuple]:
     """``(plan, default)`` for ``parallelize`` in one of the styles ``tp``, ``sp``, ``fsdp``, ``dp``, ``cp``,
     ``pp``, or a ``+``-joined combination of them with at most one of ``dp`` / ``fsdp`` (the data axis ``dp``) and
     at most one of ``tp`` / ``sp`` (the tensor axis ``tp``), in any order: ``"dp+cp"``, ``"cp+tp"``, ``"fsdp+cp+tp"``.
@@ -107,6 +124,8 @@ def plan(style: str, dp: str = "dp", tp: str = "tp", cp: str = "cp", method: str
     attention crossing the axis by ``method``); ``dp`` leaves the parameters replicated (the batch is sharded by
     the caller), so ``"dp+cp"`` is ``"cp"`` with the batch on ``dp``. ``pp`` is pipeline parallelism on axis
     ``pp`` (``PipelineParallel`` on the blocks, with ``microbatches``, ``schedule`` and ``virtual_stages``).
+    ``scan=True``: the plan of ``GPT(..., scan=True)``, whose stacked blocks are one module (``blocks/q``, not
+    ``blocks/*/q``); each style places a stacked parameter as it places one layer's.
 
     >>> plan("tp")[0]["blocks/*/o"]
     RowwiseParallel(axis='tp', input=None, output=R)
@@ -128,7 +147,7 @@ def plan(style: str, dp: str = "dp", tp: str = "tp", cp: str = "cp", method: str
                          "has none; add 'cp' to the style (say 'dp+cp') or leave method='auto'")
     styles: dict = {}
     if "tp" in parts or "sp" in parts:
-        styles.update(_tensor_parallel(tp, "sp" in parts))
+        styles.update(_tensor_parallel(tp, "sp" in parts, "blocks" if scan else "blocks/*"))
     if "cp" in parts:
         # the model's ids in, its logits out: sequence-sharded on cp, every attention inside crossing cp by method
         styles[""] = ContextParallel(cp, method=method)
@@ -165,22 +184,22 @@ def one_device_trainer(model: nnx.Module, tx: optax.GradientTransformation, loss
     return step
 
 
-def _tensor_parallel(tp: str, sp: bool) -> dict:
-    """Megatron's plan on ``tp``, with sequence parallelism's norms where ``sp``."""
+def _tensor_parallel(tp: str, sp: bool, blocks: str) -> dict:
+    """Megatron's plan on ``tp``, with sequence parallelism's norms where ``sp``; ``blocks`` matches every block."""
     row = RowwiseParallel(tp, output=Shard(1) if sp else RowwiseParallel.output)
-    styles = {"blocks/*/q": ColwiseParallel(tp), "blocks/*/k": ColwiseParallel(tp), "blocks/*/v": ColwiseParallel(tp),
-              "blocks/*/up": ColwiseParallel(tp), "blocks/*/o": row, "blocks/*/down": row,
+    styles = {**{f"{blocks}/{name}": ColwiseParallel(tp) for name in ("q", "k", "v", "up")},
+              f"{blocks}/o": row, f"{blocks}/down": row,
               "head": ColwiseParallel(tp),
               # the vocabulary-parallel embedding (torchtitan's and Megatron's): the table, the largest parameter
               # of a small GPT, is split on tp; each device looks up the ids it owns and one reduction joins them
               "tok": row}
     if sp:
-        styles.update({"blocks/*/ln1": SequenceParallel(tp), "blocks/*/ln2": SequenceParallel(tp),
+        styles.update({f"{blocks}/ln1": SequenceParallel(tp), f"{blocks}/ln2": SequenceParallel(tp),
                        "ln": SequenceParallel(tp)})
     else:
         # the norms' outputs are replicated on tp (they are already): pinning them there makes the gradients
         # of the column-parallel layers they feed (q, k, v; up; head) sum as Partials and reduce once, before
         # the norm's backward pass, instead of running that backward pass on pending sums
         norm_out = ParallelStyle(tp, output=Replicate())
-        styles.update({"blocks/*/ln1": norm_out, "blocks/*/ln2": norm_out, "ln": norm_out})
+        styles.update({f"{blocks}/ln1": norm_out, f"{blocks}/ln2": norm_out, "ln": norm_out})
     return styles

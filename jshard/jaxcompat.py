@@ -23,10 +23,15 @@ name here (from)           why                                                  
 ``DynamicJaxprTracer``     trace a model's constructor in time linear in its    none needed from jax 0.12, whose
 (``jax.interpreters.       depth (``constructing``)                             ``sharding`` no longer walks the
 partial_eval``)                                                                 trace
+``pytype_aval_mappings``,   a DArray is a leaf that JAX code takes as the        none: JAX refuses
+``canonicalize_value_``    ``jax.Array`` it stands for (``jnp.sum(x)``,         ``__jax_array__`` while it
+``handlers``               ``jax.jit(f)(state)``); ``register_array_type``      abstractifies, and a pytree
+(``jax._src.core``,        maps the type to that array's aval and value         node would not be a leaf
+``jax.interpreters.xla``)
 =========================  ===================================================  ==================================
 
 ``jax.core.Tracer`` and ``jax.core.ShapedArray`` are public (``jax.core`` keeps them) and are used as they are.
-Nothing in jshard imports ``jax._src``.
+Nothing in jshard but ``register_array_type`` imports ``jax._src``.
 
 **Equation params.** Control-flow and call primitives change their params between releases: jax 0.11 replaced
 scan's ``num_consts`` / ``num_carry`` by ``ft_in`` / ``ft_out`` flat trees, and jax 0.12 merged
@@ -54,7 +59,7 @@ from jax.interpreters import ad, batching, mlir
 from jax.interpreters import partial_eval as pe
 
 __all__ = ["Scan", "While", "ad", "batching", "cond_branches", "constructing", "inlined_call", "is_sharding_type_error",
-           "jc", "mlir", "open_jaxpr", "scan_params", "source_info_util", "while_params"]
+           "jc", "mlir", "open_jaxpr", "register_array_type", "scan_params", "source_info_util", "while_params"]
 
 # calls whose body runs as it is, by the param holding the body: the engine follows them inline (autodiff
 # already happened when the jaxpr was traced); ``remat2`` is ``jax.checkpoint``, named ``checkpoint`` in the
@@ -138,6 +143,17 @@ _ORIGIN_WALK = "sharding" not in vars(pe.DynamicJaxprTracer) and "_origin_msg" i
     getattr(jax.core.Tracer, "sharding", None), "fget", lambda: None).__code__.co_names
 _CONSTRUCTING = [0]
 _CONSTRUCTING_LOCK = threading.Lock()
+
+
+def register_array_type(cls: type, as_array: Any) -> None:
+    """JAX takes a ``cls`` wherever it takes arrays, as ``as_array(value)``, a ``jax.Array``: a ``jax.jit``
+    argument (its aval is that array's), a primitive's operand (the value is converted as JAX canonicalises a
+    numpy array), a ``jnp`` function's input (``__jax_array__``, which JAX's numpy reads itself)."""
+    from jax._src import core as jax_core  # noqa: PLC0415 - the one private import, see the table above
+    from jax.interpreters import xla
+
+    jax_core.pytype_aval_mappings[cls] = lambda x: jax_core.typeof(as_array(x))
+    xla.canonicalize_dtype_handlers[cls] = as_array
 
 
 def is_sharding_type_error(e: BaseException) -> bool:

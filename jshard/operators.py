@@ -19,6 +19,7 @@ iteration goes over dim 0.
 from __future__ import annotations
 
 import functools
+import math
 import operator
 import os
 from collections.abc import Callable
@@ -45,7 +46,9 @@ _APPLIED = Cache(512)
 def apply(f: Callable, *args, **static) -> Any:
     """Run ``f`` (any JAX function at global shapes) on DArrays eagerly, through a cached single-call program;
     ``static`` keyword arguments (axes, dtypes, indices) are fixed at trace time, arrays among them are keyed
-    by their contents (boolean masks stay static; their shapes decide the result's). DArray operators use it.
+    by their contents (boolean masks stay static; their shapes decide the result's). DArray operators use it. Beside
+    a JAX tracer (``x @ w`` inside ``jax.grad`` of ``w``) it is ``f`` itself on the arrays JAX sees
+    (``DArray.as_jax``).
 
     >>> import jax, jax.numpy as jnp, numpy as np, jshard
     >>> from jshard import Shard
@@ -53,6 +56,8 @@ def apply(f: Callable, *args, **static) -> Any:
     >>> jshard.apply(jnp.sum, x, axis=0).full().tolist()
     [12.0, 16.0]
     """
+    if any(isinstance(a, jax.core.Tracer) for a in args):  # inside a JAX transformation: plain JAX on the arrays
+        return f(*[a.as_jax() if isinstance(a, DArray) else a for a in args], **static)
     leaves, tree = jax.tree.flatten(static)
     dynamic = tuple(i for i, v in enumerate(leaves) if isinstance(v, (DArray, jax.Array)) or
                     isinstance(v, np.ndarray) and v.dtype != np.bool_)
@@ -187,6 +192,36 @@ def _iterate(self, reverse: bool = False):
     return (row for chunk in chunks for row in (reversed(chunk) if reverse else chunk))
 
 
+def _method(x, *, name: str, args: tuple, kwargs: dict):
+    return getattr(x, name)(*args, **kwargs)
+
+
+def _attribute(x, *, name: str):
+    return getattr(x, name)
+
+
+# jax.Array's numpy methods and array-valued properties that have no operator of their own above: each runs as
+# jax.Array's does, through ``apply`` (a DArray out, laid out as the engine chose)
+_NUMPY_METHODS = ("all", "any", "argmax", "argmin", "argpartition", "argsort", "choose", "clip", "compress", "conj",
+                  "conjugate", "cumprod", "cumsum", "diagonal", "dot", "flatten", "nonzero", "prod", "ptp", "ravel",
+                  "repeat", "round", "searchsorted", "sort", "squeeze", "std", "swapaxes", "take", "trace",
+                  "transpose", "var", "view")
+_NUMPY_PROPERTIES = ("real", "imag", "mT")
+
+
+def _property(self, name: str):
+    return apply(_attribute, self, name=name)
+
+
+def _numpy_method(name: str) -> Callable:
+    def method(self, *args, **kwargs):
+        return apply(_method, self, name=name, args=args, kwargs=kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"``jax.Array.{name}``, run on the DArray (``jshard.apply``)."
+    return method
+
+
 # operator name -> (jnp function, symbol); each gets its reflection (``2 - x``, ``np_array @ x``) too
 _ARITHMETIC = {
     "add": (jnp.add, "+"), "sub": (jnp.subtract, "-"), "mul": (jnp.multiply, "*"), "truediv": (jnp.true_divide, "/"),
@@ -219,5 +254,17 @@ _METHODS = {
     "astype": lambda self, dtype: apply(_astype, self, dtype=np.dtype(dtype)),
     "reshape": lambda self, *shape: apply(jnp.reshape, self, shape=_reshape_args(shape)),
 }
-for _name, _method in _METHODS.items():
-    setattr(DArray, _name, _method)
+_METHODS.update({name: _numpy_method(name) for name in _NUMPY_METHODS})
+_METHODS.update({name: property(functools.partial(_property, name=name), doc=f"``jax.Array.{name}``.")
+                 for name in _NUMPY_PROPERTIES})
+_METHODS.update(size=property(lambda self: math.prod(self.shape), doc="The number of elements, as ``jax.Array``'s."),
+                itemsize=property(lambda self: self.dtype.itemsize, doc="Bytes per element."),
+                nbytes=property(lambda self: math.prod(self.shape) * self.dtype.itemsize,
+                                doc="Bytes of the global value (the logical array, not the blocks)."),
+                item=lambda self, *args: np.asarray(self).item(*args),
+                tolist=lambda self: np.asarray(self).tolist(),
+                at=property(lambda self: self.as_jax().at, doc="``jax.Array.at`` on ``as_jax()``: a jax.Array out."),
+                block_until_ready=lambda self: (self.block.block_until_ready(), self)[1],
+                is_deleted=lambda self: self.block.is_deleted())
+for _name, _value in _METHODS.items():
+    setattr(DArray, _name, _value)

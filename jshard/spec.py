@@ -360,6 +360,27 @@ class Spec:
         unreduced = {names[a] for a, p in enumerate(self.placements) if p.is_partial}
         return PartitionSpec(*entries, unreduced=unreduced) if unreduced else PartitionSpec(*entries)
 
+    def nearest_jax_layout(self) -> tuple[Placement, ...]:
+        """The placements nearest to these that a ``NamedSharding`` expresses without ``unreduced``: pending
+        reductions completed (``Replicate``), dims split unevenly or in no shard order gathered, every other
+        placement kept. What a DArray becomes where plain JAX code reads it.
+
+        >>> import jax; from jshard import Shard, Partial
+        >>> mesh = jax.make_mesh((2, 4), ("dp", "tp"))
+        >>> Spec.create(mesh, (Shard(0), Partial()), (16, 6), "float32").nearest_jax_layout()
+        (S(0), R)
+        >>> Spec.create(mesh, (Shard(0), Shard(1)), (16, 6), "float32").nearest_jax_layout()
+        (S(0), R)
+        """
+        out = [Replicate() if p.is_partial else p for p in self.placements]
+        for d in range(self.rank):
+            chain = self.chain(d)
+            uneven = self.shape[d] % math.prod(self.mesh_shape[a] for a, _ in chain)
+            if uneven or cut_order(chain, self.mesh_shape) is None:
+                for a, _ in chain:
+                    out[a] = Replicate()
+        return tuple(out)
+
     def to_named_sharding(self, *, where: str = "to_named_sharding") -> NamedSharding:
         """``NamedSharding(mesh, self.to_partition_spec())``."""
         return NamedSharding(self.mesh, self.to_partition_spec(where=where))

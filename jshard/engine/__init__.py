@@ -16,11 +16,20 @@ Each module is a step of the way:
 from .constrain import axis_aliases, constrain_p, constrain_target
 from .control import WHILE_TRIPS  # importing it registers scan, while and cond with the walk
 from .kernel import communicates, local_equation, local_function, moved_together, out_moves, own_collectives
-from .program import TRACED_DARRAY, Program, Traced, compile_program, paused_collector, shared_trace, trace
+from .program import (
+    TRACED_DARRAY,
+    Program,
+    Traced,
+    compile_program,
+    paused_collector,
+    shared_trace,
+    trace,
+    tracing_mesh,
+)
 from .walk import REUSED, Body, EquationPlan, JaxprPlan, Operand, Value, plan_jaxpr, replicated
 
 __all__ = ["WHILE_TRIPS", "Body", "EquationPlan", "JaxprPlan", "Operand", "Program", "REUSED", "TRACED_DARRAY",
            "Traced", "Value",
            "axis_aliases", "communicates", "compile_program", "constrain_p", "constrain_target", "local_equation",
            "local_function", "moved_together", "out_moves", "own_collectives", "paused_collector", "plan_jaxpr",
-           "replicated", "shared_trace", "trace"]
+           "replicated", "shared_trace", "trace", "tracing_mesh"]

@@ -49,6 +49,7 @@ from ..api import constrain, jit
 from ..arguments import is_darray
 from ..caches import memo
 from ..darray import DArray, abstract, distribute
+from ..engine import tracing_mesh
 from ..jaxcompat import source_info_util
 from ..placements import Placement, Replicate
 from ..spec import Spec, format_mesh, shard_order
@@ -561,6 +562,8 @@ def _constrained(cls: type, styles: tuple[ParallelStyle, ...], gather: tuple) ->
     def __call__(self, *args, **kwargs):
         if _outside_jit(self, args, kwargs):
             return _eagerly(self, args, kwargs)
+        if tracing_mesh() is None:  # plain JAX (jax.jit of a loop over the model's state): no plan to pin
+            return super(sub, self).__call__(*args, **kwargs)
         args, kwargs = _constrain_inputs(self, styles, args, kwargs)
         params = [_below(self, rel) for rel, _ in gather]
         stored = [v.get_value() for v in params]

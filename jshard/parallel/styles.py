@@ -56,7 +56,8 @@ from ..placements import Placement, Replicate, Shard
 from .schedule import SCHEDULES
 
 __all__ = ["ColwiseParallel", "ContextParallel", "DataParallel", "FullyShard", "Layout", "ParallelStyle",
-           "PipelineParallel", "RowwiseParallel", "SequenceParallel", "UnplacedParameter", "layout", "style_classes"]
+           "PipelineParallel", "RowwiseParallel", "SequenceParallel", "UnplacedParameter", "layout", "stack_depth",
+           "style_classes"]
 
 R = Replicate()
 
@@ -252,7 +253,9 @@ class FullyShard(ParallelStyle):
         _check_dim(self)
 
     def param(self, module, name, shape):
-        return Shard(self.dim % len(shape)) if -len(shape) <= self.dim < len(shape) else R
+        stack = stack_depth(module, name, shape)  # a stack of layers is cut inside each layer: one gather a layer
+        own = len(shape) - stack
+        return Shard(stack + self.dim % own) if -own <= self.dim < own else R
 
 
 @dataclass(frozen=True)
@@ -367,29 +370,54 @@ class PipelineParallel(ParallelStyle):
 class Layout(NamedTuple):
     """What a parameter's dims mean: ``kind`` is ``"weight"`` (a kernel), ``"bias"``, ``"table"`` (an embedding)
     or ``"norm"`` (a norm's scale or bias); ``inputs`` are its dims over the features the layer reads (a kernel's
-    contracted dims, a table's vocabulary), ``outputs`` those over the features it makes, outermost first."""
+    contracted dims, a table's vocabulary), ``outputs`` those over the features it makes, outermost first;
+    ``stack`` is how many leading dims stack copies of the layer (a module built by ``nnx.vmap`` for
+    ``nnx.scan``: ``(layers, in, out)``), which no style splits (each layer is placed as one layer is)."""
 
     kind: str
     inputs: tuple[int, ...] = ()
     outputs: tuple[int, ...] = ()
+    stack: int = 0
 
 
 def layout(module: nnx.Module, name: str, shape: tuple[int, ...]) -> Layout | None:
     """What the dims of ``module``'s parameter ``name`` (of ``shape``) mean, read from the Flax layer's own
     attributes (``LinearGeneral``'s batch, input and output features, ``Einsum``'s equation, ``Conv``'s window);
     for a module Flax does not define, guessed from the name: ``kernel`` (in, ..., out), ``bias``, ``embedding``
-    (vocab, features). None where neither tells.
+    (vocab, features). None where neither tells. A Flax layer's parameter with leading dims beyond its own rank is a
+    stack of layers (``nnx.vmap``'s, for ``nnx.scan``): its dims are read past the stack (``Layout.stack``).
 
     >>> from flax import nnx
     >>> out = nnx.LinearGeneral((4, 2), 8, axis=(-2, -1), rngs=nnx.Rngs(0))  # (heads, head_dim, out)
     >>> layout(out, "kernel", (4, 2, 8))
-    Layout(kind='weight', inputs=(0, 1), outputs=(2,))
+    Layout(kind='weight', inputs=(0, 1), outputs=(2,), stack=0)
+    >>> layout(nnx.Linear(8, 32, rngs=nnx.Rngs(0)), "kernel", (6, 8, 32))  # six layers' kernels, stacked
+    Layout(kind='weight', inputs=(1,), outputs=(2,), stack=1)
     """
     shape = tuple(shape)
-    for cls, read in _LAYOUTS.items():
-        if isinstance(module, cls):
-            return read(module, name, shape)
-    return _by_name(name, shape)
+    read = next((read for cls, read in _LAYOUTS.items() if isinstance(module, cls)), None)
+    if read is None:
+        return _by_name(module, name, shape)
+    # a layer's own parameters have the rank its attributes give; leading dims beyond it stack copies of the layer
+    for stack in range(len(shape) + 1):
+        found = read(module, name, shape[stack:])
+        if found is not None:
+            return found._replace(inputs=tuple(d + stack for d in found.inputs),
+                                  outputs=tuple(d + stack for d in found.outputs), stack=stack)
+    return None
+
+
+def stack_depth(module: nnx.Module, name: str, shape: tuple[int, ...]) -> int:
+    """How many leading dims of ``module``'s parameter ``name`` stack copies of the layer (``Layout.stack``; 0
+    where ``layout`` cannot tell).
+
+    >>> from flax import nnx
+    >>> lin = nnx.Linear(4, 8, rngs=nnx.Rngs(0))  # as nnx.vmap builds it, its parameters (layers, ...)
+    >>> stack_depth(lin, "kernel", (3, 4, 8)), stack_depth(lin, "bias", (3, 8)), stack_depth(lin, "bias", (8,))
+    (1, 1, 0)
+    """
+    dims = layout(module, name, shape)
+    return 0 if dims is None else dims.stack
 
 
 def style_classes() -> list[type[ParallelStyle]]:
@@ -513,10 +541,11 @@ def _embed(module, name, shape):
 
 
 def _norm(module, name, shape):
-    return Layout("norm") if name in ("scale", "bias") else None
+    return Layout("norm") if name in ("scale", "bias") and len(shape) == 1 else None
 
 
-def _by_name(name, shape):
+def _by_name(module, name, shape):
+    # a module Flax does not define has no rank of its own to tell a stack by: its dims are read as one layer's
     if name == "kernel" and len(shape) >= 2:
         return Layout("weight", (0,), (len(shape) - 1,))
     if name == "embedding" and len(shape) >= 2:

@@ -28,6 +28,7 @@ True
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -124,28 +125,30 @@ class TrainStep:
         hot, flat = self._hot.get(0), self._flat
         if hot is not None and flat is not None:
             leaves, tree = jax.tree.flatten(batch)
-            if tree == hot.batch_tree:
-                out = hot.program.run(flat[1] + leaves)
-                self._state, self._flat = None, (flat[0], out[:-1])
+            if tree == hot.batch_tree and tuple(map(_SPEC, leaves)) == hot.batch_specs:
+                out = hot.program.run(flat[2] + list(map(_BLOCK, leaves)))
+                self._state, self._flat = None, (flat[0], flat[1], out[:-1])
                 return DArray(out[-1], hot.loss_spec)
         args = (*self._exposed(), *batch)
-        key = jax.tree.structure((args, {}))  # the call's key in the jshard.jit caches
         *state, loss = self._step(*args)
         self._state = tuple(state)
         # the path above is this same call where the step's state comes out as it went in (placements, tree): the
         # same program, by the same key
-        program = self._step._by_tree.get(key)
+        program = self._step.steady(*args)
         leaves, tree = jax.tree.flatten(self._state)
-        if program is not None and tree == jax.tree.structure(args[:3]):
-            self._hot.put(0, _Hot(program, jax.tree.structure(batch), program.out_specs[-1]))
-            self._flat = (tree, leaves)
+        specs = tuple(getattr(a, "spec", None) for a in leaves)
+        if program is not None and (tree, specs) == _tree_and_specs(args[:3]):
+            batch_leaves, batch_tree = jax.tree.flatten(batch)
+            self._hot.put(0, _Hot(program, batch_tree, tuple(map(_SPEC, batch_leaves)), program.out_specs[-1]))
+            self._flat = (tree, specs, list(map(_BLOCK, leaves)))
         return loss
 
     def _exposed(self) -> tuple:
         """The carried state as trees, built from the blocks if need be. Whoever gets them may change them in place
         (a Variable's value), so the next step reads them again rather than the blocks."""
         if self._state is None:
-            self._state = jax.tree.unflatten(*self._flat)
+            tree, specs, blocks = self._flat
+            self._state = jax.tree.unflatten(tree, [DArray(b, s) for b, s in zip(blocks, specs, strict=True)])
         self._flat = None
         return self._state
 
@@ -212,12 +215,21 @@ class TrainStep:
 
 
 class _Hot(NamedTuple):
-    """A step whose state comes out as it went in: its program, the batch's tree (DArray specs included) and the
+    """A step whose state comes out as it went in: its program, the batch's tree and its DArrays' specs, and the
     loss's spec."""
 
     program: Program
     batch_tree: Any
+    batch_specs: tuple[Spec, ...]
     loss_spec: Spec
+
+
+_SPEC, _BLOCK = operator.attrgetter("spec"), operator.attrgetter("block")
+
+
+def _tree_and_specs(tree: Any) -> tuple[Any, tuple]:
+    leaves, structure = jax.tree.flatten(tree)
+    return structure, tuple(getattr(a, "spec", None) for a in leaves)
 
 
 def step_function(model: nnx.Module, tx: optax.GradientTransformation, loss_fn: Callable, *, donate: bool = True,
