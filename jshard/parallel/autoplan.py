@@ -68,7 +68,7 @@ from ..engine import (
     paused_collector,
     shared_trace,
 )
-from ..jaxcompat import constructing, jc
+from ..jaxcompat import constructing, inlined_call, jc, open_jaxpr, scan_params
 from ..placements import Placement, Replicate, Shard
 from ..planner import Plan as MovePlan
 from ..spec import Spec
@@ -347,25 +347,48 @@ def _tensor_sides(model: nnx.Module, loss_fn: Callable, batch: tuple) -> dict[st
     from_batch = set(jaxpr.invars[n:])
     depth = {}
     sides: dict[str, str] = {}
-    for eqn in jaxpr.eqns:
-        ins = [v for v in eqn.invars if not isinstance(v, jc.Literal)]
-        params_in = [source[v] for v in ins if v in source]
-        d = max((depth.get(v, 0) for v in ins), default=0)
-        if eqn.primitive.name in ("convert_element_type", "reshape", "transpose", "copy", "broadcast_in_dim") \
-                and len(params_in) == 1 and len(ins) == 1:
-            source[eqn.outvars[0]] = params_in[0]  # still the parameter, in another form
-            continue
-        kernels = [p for p in params_in if p[-1] == "kernel"]
-        if eqn.primitive.name == "dot_general" and kernels:
-            other = [v for v in ins if source.get(v) != kernels[0]]
-            d = 1 + max((depth.get(v, 0) for v in other), default=0)
-            sides[_pattern(kernels[0][:-1])] = "col" if d % 2 else "row"
-        elif any(p[-1] == "embedding" for p in params_in) and any(v in from_batch for v in ins):
-            sides[_pattern(next(p for p in params_in if p[-1] == "embedding")[:-1])] = "embed"
-        for o in eqn.outvars:
-            depth[o] = d
-            if any(v in from_batch for v in ins):
-                from_batch.add(o)
+
+    def enter(outer: list, inner: list) -> None:
+        """What the outer vars are, said of the vars that stand for them inside a call or loop body (a scanned
+        stack's kernel is the body's slice of it), or back out of it."""
+        for a, b in zip(outer, inner, strict=True):
+            if isinstance(a, jc.Literal) or isinstance(b, jc.Literal):
+                continue
+            if a in source:
+                source[b] = source[a]
+            depth[b] = depth.get(a, 0)
+            if a in from_batch:
+                from_batch.add(b)
+
+    def walk(jaxpr) -> None:
+        for eqn in jaxpr.eqns:
+            body = inlined_call(eqn) or (scan_params(eqn).body if eqn.primitive.name == "scan" else None)
+            inner = open_jaxpr(body)[0] if body is not None else None
+            if inner is not None and len(inner.invars) == len(eqn.invars):
+                enter(eqn.invars, inner.invars)
+                walk(inner)
+                enter(inner.outvars, eqn.outvars)
+                continue
+            ins = [v for v in eqn.invars if not isinstance(v, jc.Literal)]
+            params_in = [source[v] for v in ins if v in source]
+            d = max((depth.get(v, 0) for v in ins), default=0)
+            if eqn.primitive.name in ("convert_element_type", "reshape", "transpose", "copy", "broadcast_in_dim") \
+                    and len(params_in) == 1 and len(ins) == 1:
+                source[eqn.outvars[0]] = params_in[0]  # still the parameter, in another form
+                continue
+            kernels = [p for p in params_in if p[-1] == "kernel"]
+            if eqn.primitive.name == "dot_general" and kernels:
+                other = [v for v in ins if source.get(v) != kernels[0]]
+                d = 1 + max((depth.get(v, 0) for v in other), default=0)
+                sides[_pattern(kernels[0][:-1])] = "col" if d % 2 else "row"
+            elif any(p[-1] == "embedding" for p in params_in) and any(v in from_batch for v in ins):
+                sides[_pattern(next(p for p in params_in if p[-1] == "embedding")[:-1])] = "embed"
+            for o in eqn.outvars:
+                depth[o] = d
+                if any(v in from_batch for v in ins):
+                    from_batch.add(o)
+
+    walk(jaxpr)
     for path, node in nnx.iter_graph(small):
         if isinstance(node, (nnx.LayerNorm, nnx.RMSNorm)) and path:
             sides.setdefault(_pattern(tuple(path)), "norm")

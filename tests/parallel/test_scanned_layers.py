@@ -19,6 +19,7 @@ from jshard.parallel import (
     RowwiseParallel,
     SequenceParallel,
     TrainStep,
+    autoplan,
     layout,
     parallelize,
     placements_of,
@@ -158,3 +159,19 @@ def test_a_users_scan_over_layers_model_takes_styles_by_path():
         x, y = rng.normal(size=(8, 16)).astype(np.float32), rng.normal(size=(8, 16)).astype(np.float32)
         got = float(step(*(jshard.distribute(a, mesh, (Shard(0), R)) for a in (x, y))))
         assert got == pytest.approx(ref(x, y), rel=1e-5)
+
+
+def test_autoplan_plans_a_scanned_model():
+    mesh = make_mesh((2, 4))
+    spec = jax.ShapeDtypeStruct((B, T), jnp.int32)
+    found = autoplan(scanned, mesh, loss_fn, spec, spec, styles=("dp", "fsdp", "tp"), runners_up=30)
+    # tensor parallelism reads the layers inside the scan: the stacked q is column parallel, o row parallel
+    tp = next(p for p in (found, *found.runners_up) if p.roles == {"dp": "dp", "tp": "tp"})
+    assert isinstance(tp.styles["blocks/q"][0], ColwiseParallel) and isinstance(tp.styles["blocks/o"][0],
+                                                                                 RowwiseParallel)
+    model = parallelize(scanned, mesh, tp)
+    assert model.blocks.q.kernel.get_value().placements[1] == Shard(2)
+    step, ref = TrainStep(model, optax.adamw(1e-2), loss_fn), one_device_trainer(scanned(), optax.adamw(1e-2), loss_fn)
+    for ids, labels in batches(2):
+        got = float(step(*(jshard.distribute(a, mesh, tp.batch[i]) for i, a in enumerate((ids, labels)))))
+        assert got == pytest.approx(ref(ids, labels), rel=1e-5)
