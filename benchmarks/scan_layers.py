@@ -88,7 +88,8 @@ def main() -> None:
     base = {r["blocks"]: r["first_s"] for r in rows if r["layers"] == min(layers)}
     for r in rows:
         r["vs_fewest"] = r["first_s"] / base[r["blocks"]]
-        print(f"{r['blocks']:<8} {r['layers']:>6} {r['first_s']:>13.2f} {r['vs_fewest']:>12.2f} {1e3 * r['step_s']:>9.1f}")
+        print(f"{r['blocks']:<8} {r['layers']:>6} {r['first_s']:>13.2f} {r['vs_fewest']:>12.2f} "
+              f"{1e3 * r['step_s']:>9.1f}")
     deepest = next(r for r in rows if r["blocks"] == "scan" and r["layers"] == max(layers))
     print(f"target: scanned first call at {max(layers)} layers <= 1.5x at {min(layers)}: "
           f"{deepest['vs_fewest']:.2f}x ({'met' if deepest['vs_fewest'] <= 1.5 else 'missed'})")
