@@ -16,9 +16,9 @@ import contextvars
 
 from ..jaxcompat import ad, batching, jc, mlir
 from ..placements import PlacementError, Replicate, normalize_placements
-from ..spec import Spec, format_mesh
+from ..spec import Spec, format_mesh, shard_order
 
-__all__ = ["axis_aliases", "check_placements", "constrain_p", "constrain_target", "hidden_axis",
+__all__ = ["axis_aliases", "check_placements", "constrain_p", "constrain_target", "hidden_axis", "partition_pins",
            "without_hidden_axis"]
 
 # (axis, mesh axis names) while a pipelined layer is traced: its program is planned on the mesh without that axis
@@ -51,6 +51,30 @@ def axis_aliases(names: dict[str, str]):
         yield
     finally:
         _ALIASES.reset(token)
+
+
+def partition_pins(spec, mesh) -> dict[str, object]:
+    """A ``PartitionSpec`` (a Flax layer's ``out_sharding=``, written for JAX's explicit sharding) as a
+    ``jshard.constrain`` dict on ``mesh``, the mesh being planned: each named axis cutting its dim (an axis tuple in
+    its order, major first), every other axis of the mesh Replicate; written in the user's axis names, which
+    ``constrain`` maps as it maps any dict (autoplan's renamed axes, a pipeline's hidden axis). ``unreduced`` axes
+    are left to the engine.
+
+    >>> import jax; from jax.sharding import PartitionSpec as P
+    >>> partition_pins(P(("tp", "dp"), None), jax.make_mesh((2, 4), ("dp", "tp")))
+    {'dp': SS(0,4), 'tp': S(0)}
+    """
+    users = {_aliased(n): n for n in _users_names(list(mesh.axis_names))}
+    index = {name: i for i, name in enumerate(mesh.axis_names)}
+    pins = {users[n]: Replicate() for n in mesh.axis_names}
+    for d, entry in enumerate(spec):
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        order = [index[_aliased(n)] for n in names]
+        for a, p in shard_order(d, order, tuple(mesh.devices.shape)).items():
+            pins[users[mesh.axis_names[a]]] = p
+    for name in getattr(spec, "unreduced", ()) or ():
+        pins.pop(name, None)
+    return pins
 
 
 def _aliased(name: str) -> str:

@@ -68,10 +68,11 @@ from ..engine import (
     paused_collector,
     shared_trace,
 )
-from ..jaxcompat import constructing, inlined_call, jc, open_jaxpr, scan_params
+from ..jaxcompat import inlined_call, jc, open_jaxpr, scan_params
 from ..placements import Placement, Replicate, Shard
 from ..planner import Plan as MovePlan
 from ..spec import Spec
+from .initialise import building
 from .parallelize import kind_of, parallelize_shapes
 from .plan import Memory, Plan, role_names
 from .schedule import make_schedule
@@ -129,7 +130,7 @@ def _autoplan(make, mesh, loss_fn, batch, tx, memory_budget, styles, runners_up)
     tx = optax.adamw(1e-3) if tx is None else tx
     styles = tuple(styles or ROLES)
     batch = tuple(jax.ShapeDtypeStruct(np.shape(b), b.dtype) for b in batch)
-    with constructing():
+    with building():
         model = nnx.eval_shape(make)
     if not isinstance(model, nnx.Module):
         raise TypeError(f"autoplan: make() must build an nnx.Module, it built {kind_of(model)}; pass the model's "

@@ -39,9 +39,10 @@ A 16-layer GPT then compiles as many programs as a 2-layer one: one per kind of 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -54,7 +55,7 @@ from ..darray import DArray
 from ..jaxcompat import constructing, jc, open_jaxpr, source_info_util
 from ..operators import stack
 
-__all__ = ["Constructor", "initialise", "stack_members", "trace_constructor"]
+__all__ = ["Constructor", "building", "initialise", "stack_members", "trace_constructor"]
 
 # elements: a value this small is made by the eager key chain, and recomputed by every program that reads it
 SMALL = 1 << 12
@@ -68,6 +69,16 @@ class Constructor(NamedTuple):
     module: nnx.Module
     jaxpr: Any  # a closed jaxpr of () -> (parameters in nnx.iter_graph order, other state, whole state)
     other: Any  # the other state's shapes (its tree)
+
+
+@contextlib.contextmanager
+def building() -> Iterator[None]:
+    """While a constructor is traced: in time linear in its depth (``jaxcompat.constructing``), and with Flax's eager
+    sharding off, so that a model written for JAX's explicit sharding (variables annotated ``out_sharding=``, as
+    Flax's Gemma example) builds with no mesh in force: its annotations are metadata, which ``parallelize`` reads as
+    the plan, rather than resharding the values as they are made."""
+    with constructing(), nnx.use_eager_sharding(False):
+        yield
 
 
 def trace_constructor(build: Callable[[], nnx.Module]) -> Constructor:
@@ -88,7 +99,7 @@ def trace_constructor(build: Callable[[], nnx.Module]) -> Constructor:
         made["graphdef"], state = nnx.split(module)
         return (*_split(module), state)
 
-    with constructing():
+    with building():
         closed, (_, other, state) = jax.make_jaxpr(run, return_shape=True)()
     if "graphdef" not in made:
         raise TypeError(f"parallelize: the constructor returned {type(made['module']).__name__}, not a Flax "

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import inspect
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -50,6 +51,7 @@ from ..arguments import is_darray
 from ..caches import memo
 from ..darray import DArray, abstract, distribute
 from ..engine import tracing_mesh
+from ..engine.constrain import partition_pins
 from ..jaxcompat import source_info_util
 from ..placements import Placement, Replicate
 from ..spec import Spec, format_mesh, shard_order
@@ -103,17 +105,17 @@ def parallelize(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh,
     >>> bool((lin.kernel.get_value().full() == nnx.Linear(16, 32, rngs=nnx.Rngs(0)).kernel.get_value()).all())
     True
     """
-    build = None
-    if not isinstance(model, nnx.Module):
-        if not callable(model):
-            raise TypeError(f"parallelize: model must be a Flax nnx.Module or a function of no arguments building "
-                            f"one (lambda: GPT(cfg, rngs=nnx.Rngs(0))), got {kind_of(model)}; a pytree of arrays is "
-                            "placed with jshard.distribute(x, mesh, placements) instead")
-        build = _traced(model)
-        model = build.module
+    if not isinstance(model, nnx.Module) and not callable(model):
+        raise TypeError(f"parallelize: model must be a Flax nnx.Module or a function of no arguments building "
+                        f"one (lambda: GPT(cfg, rngs=nnx.Rngs(0))), got {kind_of(model)}; a pytree of arrays is "
+                        "placed with jshard.distribute(x, mesh, placements) instead")
     if not isinstance(mesh, Mesh):
         raise TypeError(f"parallelize: mesh must be a jax.sharding.Mesh (say jax.make_mesh((2, 4), ('dp', 'tp'))), "
                         f"got {kind_of(mesh)}")
+    build = None
+    if not isinstance(model, nnx.Module):
+        build = _traced(model)
+        model = build.module
     if isinstance(plan, Plan):  # autoplan's: its styles and default together
         plan, default = plan.styles, (*plan.default, *_styles(default, "default="))
     plan = _plan(plan)
@@ -562,8 +564,12 @@ def _constrained(cls: type, styles: tuple[ParallelStyle, ...], gather: tuple) ->
     def __call__(self, *args, **kwargs):
         if _outside_jit(self, args, kwargs):
             return _eagerly(self, args, kwargs)
-        if tracing_mesh() is None:  # plain JAX (jax.jit of a loop over the model's state): no plan to pin
+        mesh = tracing_mesh()
+        if mesh is None:  # plain JAX (jax.jit of a loop over the model's state): no plan to pin
             return super(sub, self).__call__(*args, **kwargs)
+        # a Flax layer's out_sharding= (a model written for JAX's explicit sharding) is a pin on its output, not a
+        # sharded type: no mesh context needed, and JAX's explicit-mode type errors never reach the code after it
+        pin = kwargs.pop("out_sharding", None) if takes_out_sharding else None
         args, kwargs = _constrain_inputs(self, styles, args, kwargs)
         params = [_below(self, rel) for rel, _ in gather]
         stored = [v.get_value() for v in params]
@@ -577,12 +583,49 @@ def _constrained(cls: type, styles: tuple[ParallelStyle, ...], gather: tuple) ->
         finally:
             for v, value in zip(params, stored, strict=True):
                 v.set_value(value)
+        if pin is not None:
+            out = _constrain_arrays(out, partition_pins(_partition_spec(pin, cls), mesh), True)
         outputs = {s.axis: p for s in styles if (p := s.outputs(out)) is not None}
         return _constrain_arrays(out, outputs, True)
 
+    takes_out_sharding = "out_sharding" in _parameters(cls.__call__)
+    # the layer's other methods that take out_sharding= (Flax's Embed.attend) pin their outputs alike
+    pinned = {name: _pinning(getattr(cls, name), cls) for name in dir(cls)
+              if not name.startswith("_") and inspect.isfunction(getattr(cls, name, None))
+              and "out_sharding" in _parameters(getattr(cls, name))}
     sub = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
-                                      "__qualname__": cls.__qualname__, "_unconstrained": cls})
+                                      "__qualname__": cls.__qualname__, "_unconstrained": cls, **pinned})
     return sub
+
+
+def _pinning(method: Callable, cls: type) -> Callable:
+    """``method`` whose ``out_sharding=`` is, under ``jshard.jit``, a pin on its output (see ``_constrained``)."""
+
+    @functools.wraps(method)
+    def pinned(self, *args, **kwargs):
+        mesh = tracing_mesh()
+        if mesh is None or kwargs.get("out_sharding") is None:
+            return method(self, *args, **kwargs)
+        pin = kwargs.pop("out_sharding")
+        return _constrain_arrays(method(self, *args, **kwargs), partition_pins(_partition_spec(pin, cls), mesh), True)
+
+    return pinned
+
+
+def _parameters(fn: Callable) -> frozenset:
+    try:
+        return frozenset(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # no signature to read
+        return frozenset()
+
+
+def _partition_spec(pin: Any, cls: type) -> PartitionSpec:
+    """A layer's ``out_sharding=`` as a ``PartitionSpec`` (JAX takes one, or a ``NamedSharding`` holding one)."""
+    spec = getattr(pin, "spec", pin)
+    if not isinstance(spec, PartitionSpec):
+        raise TypeError(f"{cls.__name__}: out_sharding={pin!r} is neither a PartitionSpec nor a NamedSharding; "
+                        "jshard reads it as where the layer's output lives (jax.P('dp', None, 'tp'))")
+    return spec
 
 
 def _constrain_inputs(module: nnx.Module, styles: tuple[ParallelStyle, ...], args: tuple,
