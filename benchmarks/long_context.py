@@ -5,17 +5,17 @@ A GPT of width 256, 4 heads and 2 layers, batch 1 per data-parallel replica, at 
 sequence over 4), ``cp4xtp2`` (sequence over 4, Megatron tensor parallelism over 2). jshard runs
 ``jshard.gpt.plan`` with context parallelism once per attention method (``ring``, ``all_gather``, ``all_to_all``
 where the heads a device holds divide over cp); the token ids and labels take the causal load-balanced layout
-(``jshard.attention.balanced``). GSPMD runs ``jax.jit`` of the same training step with the same ``NamedSharding``s
-(ids and labels sequence-sharded over cp, the parameters as the plan places them; GSPMD decides the rest), and
-one device runs it unsharded; both attend with ``jax.nn.dot_product_attention``, differentiated by JAX, as a model
-written without jshard does (``--baseline jshard``: with the GPT's ``jshard.attention``, whose gradient outside
-``jshard.jit`` is jshard's own blockwise kernel, which GSPMD then partitions).
+(``jshard.sharded_attention.balanced``). GSPMD runs ``jax.jit`` of the same training step with the same
+``NamedSharding``s (ids and labels sequence-sharded over cp, the parameters as the plan places them; GSPMD decides
+the rest), and one device runs it unsharded; both attend with ``jax.nn.dot_product_attention``, differentiated by
+JAX, as a model written without jshard does (``--baseline jshard``: with the GPT's ``jshard.attention``, whose
+gradient outside ``jshard.jit`` is jshard's own blockwise kernel, which GSPMD then partitions).
 
 Per row, measured in one process per (mesh, sequence), all sides interleaved step by step: the step time (median
 of ``--steps`` steps after the first; ratio to GSPMD), the per-device peak memory of the compiled program
 (``memory_analysis``: temporaries + arguments + outputs), the collectives and bytes (jshard's ``explain`` totals;
 for both sides the collectives the compiled HLO runs, loops counted by their trip counts, and the bytes a device
-receives in them), the causal load imbalance (``jshard.attention.load``: score blocks a device computes, max /
+receives in them), the causal load imbalance (``jshard.sharded_attention.load``: score blocks a device computes, max /
 mean; beside it the contiguous ``Shard(1)`` layout's), and whether the loss curves agree (jshard, GSPMD, one
 device, from the same initial parameters and batches). And for one attention alone (forward and backward, compiled,
 not run): each side's per-device temporaries, against one device's score matrix (targets: ``1/N**2`` of it for the
@@ -63,9 +63,9 @@ from redistribute import hlo_traffic  # noqa: E402
 import jshard  # noqa: E402
 import jshard.gpt as gpt_module  # noqa: E402
 from jshard import Replicate, Shard, StridedShard  # noqa: E402
-from jshard.attention import balanced, load  # noqa: E402
 from jshard.gpt import GPT, cross_entropy, plan, summed_terms  # noqa: E402
 from jshard.parallel import TrainStep, parallelize  # noqa: E402
+from jshard.sharded_attention import balanced, load  # noqa: E402
 from jshard.validate.tolerance import curve_ratio  # noqa: E402
 from report import write_json  # noqa: E402
 
@@ -469,7 +469,7 @@ _CALLEE = re.compile(r"(?:calls|to_apply|true_computation|false_computation)=%([
 
 
 def _load(explained) -> dict | None:
-    """Score blocks per device of the step's attention (``jshard.attention.load``, forward), its imbalance
+    """Score blocks per device of the step's attention (``jshard.sharded_attention.load``, forward), its imbalance
     (max / mean), and the imbalance the contiguous layout (``Shard(1)`` for the striped one) would have."""
     row = next((r for r in explained.rows if r["primitive"].split(" | ")[-1].removeprefix("jshard.") in _ATTENTION),
                None)

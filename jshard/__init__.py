@@ -14,7 +14,6 @@ True
 """
 
 from .api import constrain, explain, jit, same_as
-from .attention import attention, attention_method
 from .caches import clear_caches
 from .cost import AxisCost, CostModel
 from .darray import DArray, DeletedArrayError, distribute, from_jax, from_local, from_process_local, process_rows
@@ -22,6 +21,7 @@ from .explanation import Explanation
 from .operators import apply
 from .placements import Partial, Placement, PlacementError, Replicate, Shard, StridedShard
 from .planner import Plan, Step, plan_redistribute
+from .sharded_attention import attention, attention_method
 from .spec import LayoutError, Spec
 from .visualize import visualize
 

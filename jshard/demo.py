@@ -32,7 +32,7 @@ it); the microbatches cut the batch of 8 rows. With ``--processes`` the first me
 other pipeline (mesh, schedule, styles beside it) with the same ``--layers``.
 
 With ``--style auto`` the plan is ``jshard.parallel.autoplan``'s: every assignment of its roles (data, fully sharded
-data, tensor, sequence, context, pipeline parallelism: ``jshard.parallel.autoplan.ROLES``) to the mesh axes is priced
+data, tensor, sequence, context, pipeline parallelism: ``jshard.parallel.search.ROLES``) to the mesh axes is priced
 on the demo's own training step, and the fastest whose predicted memory per device fits ``--memory-budget`` (when given)
 is trained, its table (``Plan.explain``) printed first; the batch is placed as the plan says. The default mesh is
 ``a=2,b=4`` (any ``--mesh`` works: the plan gives the axes their roles, whatever their names). When no plan fits the

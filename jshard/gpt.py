@@ -29,7 +29,6 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from .attention import attention
 from .parallel.styles import (
     ColwiseParallel,
     ContextParallel,
@@ -40,6 +39,7 @@ from .parallel.styles import (
     SequenceParallel,
 )
 from .placements import Replicate, Shard
+from .sharded_attention import attention
 
 __all__ = ["GPT", "cross_entropy", "one_device_trainer", "plan", "summed_terms"]
 

@@ -358,7 +358,7 @@ LONG = [
     ("code", '''import optax
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-from jshard.attention import balanced, load
+from jshard.sharded_attention import balanced, load
 from jshard.gpt import GPT, cross_entropy, one_device_trainer, plan, summed_terms
 from jshard.parallel import TrainStep, parallelize
 from jshard.validate.tolerance import assert_close, curve_ratio

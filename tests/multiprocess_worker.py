@@ -448,7 +448,7 @@ def check_attention(name: str) -> None:
     """Output, loss and gradients of queries, keys and values on this process's devices against
     jax.nn.dot_product_attention on the host; ``explain`` shows the pinned method on cp, and the loss (a reduced
     value) goes to the cross-process comparison."""
-    from jshard.attention import balanced
+    from jshard.sharded_attention import balanced
 
     key, method, causal = ATTENTION[name]
     mesh = CP_MESHES[key]
@@ -590,9 +590,9 @@ def check_gpt_context_parallel() -> None:
     """Context parallelism over all 8 devices (``plan("cp")``, attention by ring): the ids and labels striped
     over cp (``balanced``), the key/value blocks passing between the processes at every layer, forward and
     backward."""
-    from jshard.attention import balanced
     from jshard.gpt import plan
     from jshard.parallel import TrainStep, parallelize
+    from jshard.sharded_attention import balanced
 
     mesh = CP_MESHES["cp8"]
     make, loss_fn, tx, windows = gpt_problem()

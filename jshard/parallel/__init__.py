@@ -8,9 +8,9 @@ whole behaviour, see ``styles``), placing Flax's own layers by what their dims m
 pipelined model's step by its schedule: ``stages``, ``pipeline``, ``schedule``).
 """
 
-from .autoplan import autoplan
 from .parallelize import parallelize, placements_of
 from .plan import Memory, Plan
+from .search import autoplan
 from .styles import (
     ColwiseParallel,
     ContextParallel,

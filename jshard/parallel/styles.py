@@ -50,9 +50,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from ..attention import METHODS, attention_method, balanced
 from ..darray import DArray
 from ..placements import Placement, Replicate, Shard
+from ..sharded_attention import METHODS, attention_method, balanced
 from .schedule import SCHEDULES
 
 __all__ = ["ColwiseParallel", "ContextParallel", "DataParallel", "FullyShard", "Layout", "ParallelStyle",
@@ -269,7 +269,7 @@ class ContextParallel(ParallelStyle):
     model chooses). Other styles on other axes compose with it (``DataParallel("dp")`` on the batch,
     ``ColwiseParallel("tp")`` inside the blocks).
 
-    ``balance=True`` lays the sequence out striped (``jshard.attention.balanced``: token ``t`` on device
+    ``balance=True`` lays the sequence out striped (``jshard.sharded_attention.balanced``: token ``t`` on device
     ``t % size``), so that causal attention gives every device the same work; ``False`` cuts it in contiguous
     blocks (``Shard(1)``). ``sequence(length, size)`` is that layout: give the data loader's ids and labels it.
 

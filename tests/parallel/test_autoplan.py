@@ -3,7 +3,6 @@ step, budgets hold, the depth extrapolation is exact, the dataflow reads Megatro
 
 from __future__ import annotations
 
-import importlib
 import re
 
 import jax
@@ -14,11 +13,11 @@ import pytest
 from flax import nnx
 
 import jshard
+from jshard import sharded_attention
 from jshard.gpt import GPT, cross_entropy
 from jshard.parallel import Plan, TrainStep, autoplan, parallelize
+from jshard.parallel import search as planning
 from tests.conftest import make_mesh, mesh_params
-
-planning = importlib.import_module("jshard.parallel.autoplan")  # the module (its name is the function's too)
 
 VOCAB, W, HEADS, LAYERS, SEQ, BATCH = 64, 32, 2, 2, 16, 8
 IDS = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
@@ -216,7 +215,7 @@ def test_what_every_candidate_traces_alike_is_traced_once(monkeypatch):
     once, not once per candidate; an optimizer that cannot be hashed is traced with each step, and still priced."""
     mesh = make_mesh((2, 4))
     kernels = []
-    attention = importlib.import_module("jshard.attention")  # the module (the package exports the function)
+    attention = sharded_attention
     forward = attention._forward_kernel
     monkeypatch.setattr(attention, "_forward_kernel", lambda *a: (kernels.append(1), forward(*a))[1])
     jshard.clear_caches()  # the kernel's body object is remade, so JAX traces it anew

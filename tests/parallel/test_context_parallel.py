@@ -17,9 +17,9 @@ from flax import nnx
 import jshard
 from jshard import Replicate, Shard
 from jshard import demo as demo_module
-from jshard.attention import balanced
 from jshard.gpt import GPT, cross_entropy, one_device_trainer, plan, summed_terms
 from jshard.parallel import ContextParallel, ParallelStyle, TrainStep, parallelize
+from jshard.sharded_attention import balanced
 from jshard.validate.tolerance import assert_close, curve_ratio
 from oracle import stablehlo_collectives, tree_scale
 

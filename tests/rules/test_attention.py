@@ -22,7 +22,7 @@ import pytest
 import jshard
 from conftest import make_mesh, mesh_params
 from jshard import AxisCost, CostModel, Replicate, Shard, StridedShard, attention
-from jshard.attention import balanced, load
+from jshard.sharded_attention import balanced, load
 
 R = Replicate()
 RING = CostModel(default=AxisCost(latency_us=20.0))  # a hop costs more than a launch: one-hop steps pay
@@ -282,7 +282,7 @@ def test_balanced_puts_token_t_on_device_t_mod_size(length, size):
 
 @pytest.mark.parametrize("bad", [(0, 8), (64, 0), (64.0, 8)])
 def test_balanced_rejects_what_is_no_length_or_size(bad):
-    with pytest.raises(ValueError, match=r"jshard.attention.balanced: length .* must be positive ints"):
+    with pytest.raises(ValueError, match=r"jshard.sharded_attention.balanced: length .* must be positive ints"):
         balanced(*bad)
 
 

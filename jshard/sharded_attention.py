@@ -155,7 +155,7 @@ def balanced(length: int, size: int) -> Placement:
     """
     if not (isinstance(length, (int, np.integer)) and isinstance(size, (int, np.integer)) and length >= 1
             and size >= 1):
-        raise ValueError(f"jshard.attention.balanced: length ({length!r}) and size ({size!r}) must be positive "
+        raise ValueError(f"jshard.sharded_attention.balanced: length ({length!r}) and size ({size!r}) must be positive "
                          f"ints: the sequence length and the number of devices on the mesh axis")
     stripes = -(-int(length) // int(size))
     return Shard(1) if stripes == 1 or size == 1 else StridedShard(1, stripes)
