@@ -58,9 +58,9 @@ from ..spec import Spec, format_mesh, shard_order
 from .initialise import Constructor, initialise, stack_members, trace_constructor
 from .plan import Plan
 from .stages import Pipelined, stacked_placements
-from .styles import ParallelStyle, PipelineParallel, UnplacedParameter, _is_array, style_classes
+from .styles import ParallelStyle, PipelineParallel, UnplacedParameter, is_array, style_classes
 
-__all__ = ["parallelize", "placements_of"]
+__all__ = ["blocks_differ", "module_key", "parallelize", "placements_of"]
 
 # equations are attributed to the user's line: jshard's own wrappers are not it
 source_info_util.register_exclusion(os.path.abspath(__file__))
@@ -282,7 +282,7 @@ def _match(model: nnx.Module, mesh: Mesh, plan: dict[str, tuple[ParallelStyle, .
     _check_axes(default, names, mesh, "default=")
     styles, used = {}, set()
     for path, module in modules.items():  # every module gets an entry: default styles may gather its params
-        key = _key(path)
+        key = module_key(path)
         patterns = [p for p in plan if fnmatch.fnmatchcase(key, p)]
         used.update(patterns)
         styles[path] = _matched(plan, patterns, key)
@@ -295,7 +295,7 @@ def _match(model: nnx.Module, mesh: Mesh, plan: dict[str, tuple[ParallelStyle, .
     unused = [p for p in plan if p not in used]
     if unused:
         raise ValueError(f"parallelize: plan pattern(s) {unused} match no module; module paths are "
-                         f"{sorted(_key(p) for p in modules if p)[:12]}")
+                         f"{sorted(module_key(p) for p in modules if p)[:12]}")
     # the axes are checked: each style learns the mesh it runs on (ContextParallel, its axis size)
     return _Matched(modules, _on(default, mesh), {path: _on(s, mesh) for path, s in styles.items()})
 
@@ -332,7 +332,7 @@ def _units(matched: _Matched, params: list[_Placed]) -> dict[tuple, tuple]:
     for unit in gathers:  # a default unit never called is gathered where used; a matched one would mislead
         gathering = [s for s in matched.styles[unit] if s.compute is not None]
         if gathering and not callable(matched.modules[unit]):
-            raise ValueError(f"parallelize: {type(gathering[0]).__name__} at {_key(unit) or 'the root module'} "
+            raise ValueError(f"parallelize: {type(gathering[0]).__name__} at {module_key(unit) or 'the root module'} "
                              f"gathers the parameters inside it when {type(matched.modules[unit]).__name__} is called, "
                              "and it is never called (it has no __call__); match the modules it holds instead, one "
                              "unit each (say {f'blocks/{i}': FullyShard('dp') for i in range(layers)})")
@@ -384,7 +384,7 @@ def _pipelines(matched: _Matched, mesh: Mesh) -> list[tuple[tuple, PipelineParal
         for style in styles:
             if not isinstance(style, PipelineParallel):
                 continue
-            module, where = matched.modules[path], _key(path) or "the root module"
+            module, where = matched.modules[path], module_key(path) or "the root module"
             blocks = list(module) if isinstance(module, nnx.List) else None
             if not blocks or not path or not isinstance(path[-1], str):
                 raise ValueError(f"parallelize: {style.label} is matched on {where} ({type(module).__name__}); "
@@ -393,27 +393,18 @@ def _pipelines(matched: _Matched, mesh: Mesh) -> list[tuple[tuple, PipelineParal
             if matched.default and any(s.axis == style.axis for s in matched.default):
                 raise ValueError(f"parallelize: default= places parameters on mesh axis {style.axis!r}, which "
                                  f"{style.label} uses for its stages; put the default styles on the other axes")
-            first = _signature(blocks[0])
-            for i, b in enumerate(blocks[1:], 1):
-                if _signature(b) != first:
-                    raise ValueError(f"parallelize: {style.label} stacks the blocks of {where}, and block {i} "
-                                     f"({type(b).__name__}) differs from block 0 ({type(blocks[0]).__name__}) in its "
-                                     "structure, settings (attributes such as a head count), parameter shapes or "
-                                     "dtypes; pipelined blocks must be identical")
+            why = blocks_differ(blocks)
+            if why is not None:
+                raise ValueError(f"parallelize: {style.label} stacks the blocks of {where}, and {why}")
             size = mesh.shape[style.axis] * style.virtual_stages
             if len(blocks) % size:
                 raise ValueError(f"parallelize: {style.label} splits the {len(blocks)} blocks of {where} into "
                                  f"{mesh.shape[style.axis]} stages x {style.virtual_stages} virtual stages; use a "
                                  f"block count that is a multiple of {size} (or another axis size)")
-            state = nnx.state(blocks[0], nnx.Not(nnx.Param))
-            if jax.tree.leaves(state):
-                raise ValueError(f"parallelize: the blocks of {where} hold state besides parameters "
-                                 f"({type(jax.tree.leaves(state)[0]).__name__}: RNG streams, batch statistics); "
-                                 f"{style.label} pipelines blocks whose state is their parameters")
             found.append((path, style))
     if len(found) > 1:
         raise ValueError(f"parallelize: PipelineParallel is matched on {len(found)} lists of blocks "
-                         f"({', '.join(_key(p) for p, _ in found)}); a model has one pipeline")
+                         f"({', '.join(module_key(p) for p, _ in found)}); a model has one pipeline")
     return found
 
 
@@ -428,21 +419,52 @@ def _stacks(params: list[_Placed], pipelines: list[tuple[tuple, PipelineParallel
             if p.path[:len(path)] == path:
                 by_name.setdefault(p.path[len(path) + 1:], []).append(i)
         for members in by_name.values():
-            stacks.append((members, stacked_placements(params[members[0]].placements, mesh, style, _key(path))))
+            stacks.append((members, stacked_placements(params[members[0]].placements, mesh, style, module_key(path))))
     return stacks
+
+
+def blocks_differ(blocks: Sequence[nnx.Module], *, stateless: bool = True) -> str | None:
+    """Why ``blocks`` are not identical blocks, which one block's graph runs (a pipeline's stages, blocks
+    ``autoplan`` prices as one), whose state is their parameters where ``stateless`` (as a pipeline's must be);
+    None where they are.
+
+    >>> from flax import nnx
+    >>> blocks_differ([nnx.Linear(4, 4, rngs=nnx.Rngs(i)) for i in range(3)]) is None
+    True
+    >>> blocks_differ([nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 8, rngs=nnx.Rngs(0))])[:28]
+    'block 1 (Linear) differs from'
+    """
+    first = _signature(blocks[0])
+    for i, b in enumerate(blocks[1:], 1):
+        if _signature(b) != first:
+            return (f"block {i} ({type(b).__name__}) differs from block 0 ({type(blocks[0]).__name__}) in its "
+                    "structure, settings (attributes such as a head count), parameter shapes or dtypes; the blocks "
+                    "must be identical")
+    state = jax.tree.leaves(nnx.state(blocks[0], nnx.Not(nnx.Param))) if stateless else []
+    if state:
+        return (f"the blocks hold state besides parameters ({type(state[0]).__name__}: RNG streams, batch "
+                "statistics); pipelined blocks are those whose state is their parameters")
+    return None
 
 
 def _signature(module: nnx.Module) -> tuple:
     """What identical blocks share: the graph (classes, structure, settings such as a head count) and each
-    parameter's shape and dtype. One block's graph runs every block of a pipeline."""
+    parameter's shape and dtype."""
     graphdef, state = nnx.split(module)
     shapes = [(tuple(np.shape(v)), str(getattr(v, "dtype", type(v).__name__))) for v in jax.tree.leaves(state)]
     return graphdef, tuple(shapes)
 
 
-def _key(path: tuple) -> str:
-    """A module's path as plan patterns match it: attribute names and list indices joined by '/'."""
-    return "/".join(map(str, path))
+def module_key(path: Sequence, *, any_index: bool = False) -> str:
+    """A module's path as plan patterns match it: attribute names and list indices joined by '/'; ``any_index``
+    writes each index as ``*``, the pattern matching that module in every block of a list.
+
+    >>> module_key(("blocks", 3, "q")), module_key(("blocks", 3, "q"), any_index=True)
+    ('blocks/3/q', 'blocks/*/q')
+    """
+    return "/".join("*" if any_index and isinstance(p, int) else str(p) for p in path)
+
+
 
 
 def _param(style: ParallelStyle, module: nnx.Module, owner: tuple, name: str, shape: tuple) -> Placement:
@@ -450,11 +472,11 @@ def _param(style: ParallelStyle, module: nnx.Module, owner: tuple, name: str, sh
     try:
         placement = style.param(module, name, shape)
     except UnplacedParameter as e:
-        raise e.at(_key(owner)) from None
+        raise e.at(module_key(owner)) from None
     if not isinstance(placement, Placement):
         raise TypeError(f"parallelize: {style.label}.param gave {placement!r} for parameter {name!r} {shape} of "
-                        f"{type(module).__name__} at {_key(owner) or 'the root module'}; a style's param returns a "
-                        "placement (Replicate(), Shard(d), ...)")
+                        f"{type(module).__name__} at {module_key(owner) or 'the root module'}; a style's param returns "
+                        "a placement (Replicate(), Shard(d), ...)")
     return placement
 
 
@@ -658,7 +680,7 @@ def _constrain_inputs(module: nnx.Module, styles: tuple[ParallelStyle, ...], arg
 def _constrain_arrays(tree: Any, placements: dict[str, Placement], pin: bool) -> Any:
     if not placements:
         return tree
-    return jax.tree.map(lambda a: constrain(a, placements, pin_gradient=pin) if _is_array(a) else a, tree)
+    return jax.tree.map(lambda a: constrain(a, placements, pin_gradient=pin) if is_array(a) else a, tree)
 
 
 def _below(module: nnx.Module, path: tuple) -> Any:

@@ -73,7 +73,7 @@ from ..placements import Placement, Replicate, Shard
 from ..planner import Plan as MovePlan
 from ..spec import Spec
 from .initialise import building
-from .parallelize import kind_of, parallelize_shapes
+from .parallelize import blocks_differ, kind_of, module_key, parallelize_shapes
 from .plan import Memory, Plan, role_names
 from .schedule import make_schedule
 from .styles import (
@@ -85,7 +85,7 @@ from .styles import (
     RowwiseParallel,
     SequenceParallel,
 )
-from .training import GRADIENT_PINS, _check_tx, _mirror, step_function
+from .training import GRADIENT_PINS, check_tx, mirror_placements, step_function
 
 __all__ = ["ROLES", "autoplan"]
 
@@ -139,7 +139,9 @@ def _autoplan(make, mesh, loss_fn, batch, tx, memory_budget, styles, runners_up)
     tensor = _tensor_sides(model, loss_fn, batch) if set(styles) & set(_TENSOR) else {}
     machine = _machine(mesh)
     priced, rejected, traces = [], [], {}
-    depth = len(list(_at(model, blocks))) if blocks is not None else 0
+    # a pipeline takes blocks whose state is their parameters, as parallelize does: no plan it would refuse
+    depth = len(list(_at(model, blocks))) if blocks is not None and blocks_differ(list(_at(model, blocks))) is None \
+        else 0
     for roles in _candidates(mesh, styles, batch, depth):
         name = role_names(roles)
         try:
@@ -191,7 +193,7 @@ def _check_args(make, mesh, loss_fn, batch, tx, budget, styles) -> None:
             raise TypeError(f"autoplan: batch input {i} must be an array or a jax.ShapeDtypeStruct at global shape, "
                             f"got {kind_of(b)}")
     if tx is not None:
-        _check_tx(tx, "autoplan")
+        check_tx(tx, "autoplan")
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, np.integer))
                                or budget <= 0):
         raise ValueError(f"autoplan: memory_budget is bytes per device, a positive int (say 2 * 2**30), got "
@@ -250,7 +252,7 @@ def _styles_of(roles: dict[str, str], tensor: dict, blocks: tuple | None = None,
         if role == "cp":
             plan[""] = (ContextParallel(axis),)
         if role == "pp":
-            plan[_pattern(blocks)] = (PipelineParallel(axis, microbatches=microbatches),)
+            plan[module_key(blocks, any_index=True)] = (PipelineParallel(axis, microbatches=microbatches),)
         if role not in _TENSOR:
             continue
         seq = role == "sp"
@@ -292,7 +294,8 @@ def _batch_placements(mesh: Mesh, roles: dict[str, str], batch: tuple) -> tuple[
 
 
 def _repeated(model: nnx.Module) -> tuple | None:
-    """The path of the model's list of identical blocks holding the most parameters (None: no such list)."""
+    """The path of the model's list of identical blocks holding the most parameters (None: no such list), identical
+    as ``parallelize`` takes them (``blocks_differ``; a pipeline also needs them stateless, see ``_candidates``)."""
     best, most = None, 0
     for path, node in nnx.iter_graph(model):
         if not isinstance(node, (nnx.List, list)) or len(node) < 2:
@@ -300,9 +303,8 @@ def _repeated(model: nnx.Module) -> tuple | None:
         members = list(node)
         if not all(isinstance(m, nnx.Module) for m in members):
             continue
-        graphs = {nnx.graphdef(m) for m in members}
         size = sum(math.prod(np.shape(v)) for v in jax.tree.leaves(nnx.state(node, nnx.Param)))
-        if len(graphs) == 1 and size > most:
+        if size > most and blocks_differ(members, stateless=False) is None:
             best, most = tuple(path), size
     return best
 
@@ -381,9 +383,9 @@ def _tensor_sides(model: nnx.Module, loss_fn: Callable, batch: tuple) -> dict[st
             if eqn.primitive.name == "dot_general" and kernels:
                 other = [v for v in ins if source.get(v) != kernels[0]]
                 d = 1 + max((depth.get(v, 0) for v in other), default=0)
-                sides[_pattern(kernels[0][:-1])] = "col" if d % 2 else "row"
+                sides[module_key(kernels[0][:-1], any_index=True)] = "col" if d % 2 else "row"
             elif any(p[-1] == "embedding" for p in params_in) and any(v in from_batch for v in ins):
-                sides[_pattern(next(p for p in params_in if p[-1] == "embedding")[:-1])] = "embed"
+                sides[module_key(next(p for p in params_in if p[-1] == "embedding")[:-1], any_index=True)] = "embed"
             for o in eqn.outvars:
                 depth[o] = d
                 if any(v in from_batch for v in ins):
@@ -392,7 +394,7 @@ def _tensor_sides(model: nnx.Module, loss_fn: Callable, batch: tuple) -> dict[st
     walk(jaxpr)
     for path, node in nnx.iter_graph(small):
         if isinstance(node, (nnx.LayerNorm, nnx.RMSNorm)) and path:
-            sides.setdefault(_pattern(tuple(path)), "norm")
+            sides.setdefault(module_key(tuple(path), any_index=True), "norm")
     return sides
 
 
@@ -400,11 +402,6 @@ def _path(keys: tuple) -> tuple:
     """A parameter's path in its state: its module's path and its name (the Variable's ``.value`` dropped)."""
     path = tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in keys)
     return path[:-1] if path and path[-1] == "value" else path
-
-
-def _pattern(path: tuple) -> str:
-    """A module's plan pattern, a block's index as ``*``."""
-    return "/".join("*" if isinstance(p, int) else str(p) for p in path)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -792,7 +789,7 @@ def _optimizer_state(tx, params, mesh: Mesh):
     avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params,
                          is_leaf=lambda x: isinstance(x, DArray))
     shapes = jax.eval_shape(tx.init, avals)
-    pins = _mirror(tx.init, params)
+    pins = mirror_placements(tx.init, params)
     return jax.tree.map(lambda p, s: _shaped(mesh, p, s.shape, s.dtype), pins, shapes,
                         is_leaf=lambda x: type(x) is tuple and all(isinstance(q, Placement) for q in x))
 

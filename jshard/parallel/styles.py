@@ -56,8 +56,8 @@ from ..sharded_attention import METHODS, attention_method, balanced
 from .schedule import SCHEDULES
 
 __all__ = ["ColwiseParallel", "ContextParallel", "DataParallel", "FullyShard", "Layout", "ParallelStyle",
-           "PipelineParallel", "RowwiseParallel", "SequenceParallel", "UnplacedParameter", "layout", "stack_depth",
-           "style_classes"]
+           "PipelineParallel", "RowwiseParallel", "SequenceParallel", "UnplacedParameter", "is_array", "layout",
+           "stack_depth", "style_classes"]
 
 R = Replicate()
 
@@ -101,7 +101,7 @@ class ParallelStyle:
         (left out: None), each applied to every array inside that argument. By default ``input`` for each
         positional array argument (a ``MultiHeadAttention``'s query, key and value inputs alike), keywords (masks,
         flags) left alone."""
-        return tuple(self.input if _is_array(a) else None for a in args), {}
+        return tuple(self.input if is_array(a) else None for a in args), {}
 
     def outputs(self, out: Any) -> Placement | None:
         """The placement on ``self.axis`` of every array the module returns (None: left to the engine)."""
@@ -309,10 +309,10 @@ class ContextParallel(ParallelStyle):
         return bound
 
     def inputs(self, args, kwargs):
-        return tuple(self._layout(a, f"argument {i}") if _is_array(a) else None for i, a in enumerate(args)), {}
+        return tuple(self._layout(a, f"argument {i}") if is_array(a) else None for i, a in enumerate(args)), {}
 
     def outputs(self, out):
-        found = {self._layout(a, "its output") for a in jax.tree.leaves(out) if _is_array(a)}
+        found = {self._layout(a, "its output") for a in jax.tree.leaves(out) if is_array(a)}
         if len(found) > 1:
             raise ValueError(f"{self.label}: the module returns arrays whose sequence dims (1) need different layouts "
                              f"{sorted(map(str, found))}; match ContextParallel on a module whose outputs share one "
@@ -460,7 +460,8 @@ def _check_dim(style: ParallelStyle) -> None:
         raise TypeError(f"{style.label}: dim must be an int, got {dim!r} ({type(dim).__name__})")
 
 
-def _is_array(x: Any) -> bool:
+def is_array(x: Any) -> bool:
+    """Whether a call's argument or result is an array a style places (a ``jax.Array``, tracer, numpy array, DArray)."""
     return isinstance(x, (jax.Array, np.ndarray, DArray))
 
 

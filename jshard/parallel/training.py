@@ -51,7 +51,7 @@ from . import stages
 from .parallelize import holds_darray, kind_of, placements_of
 from .stages import find_pipelined
 
-__all__ = ["TrainStep", "init_optimizer"]
+__all__ = ["TrainStep", "check_tx", "init_optimizer", "mirror_placements", "step_function"]
 
 GRADIENT_PINS = "jshard_gradient_pins"  # the named scope of a step's constraints of its gradients, one per parameter
 
@@ -59,14 +59,14 @@ GRADIENT_PINS = "jshard_gradient_pins"  # the named scope of a step's constraint
 def init_optimizer(tx: optax.GradientTransformation, params: Any) -> Any:
     """``tx.init(params)`` with every subtree shaped like ``params`` placed like it, the rest Replicate.
     ``params``: DArrays, say ``nnx.state(model, nnx.Param)`` of a parallelized model."""
-    _check_tx(tx, "init_optimizer")
+    check_tx(tx, "init_optimizer")
     if isinstance(params, nnx.Module):
         raise TypeError("init_optimizer: params is a whole nnx.Module; pass its parameters, "
                         "nnx.state(model, nnx.Param)")
     if not holds_darray(params):
         raise ValueError(f"init_optimizer: params ({kind_of(params)}) hold no DArray; pass the parameters of a "
                          "parallelized model, nnx.state(parallelize(model, mesh, plan), nnx.Param)")
-    return jit(tx.init, out_placements=_mirror(tx.init, params))(params)
+    return jit(tx.init, out_placements=mirror_placements(tx.init, params))(params)
 
 
 class TrainStep:
@@ -87,7 +87,7 @@ class TrainStep:
         if not isinstance(model, nnx.Module):
             raise TypeError("TrainStep: model must be a Flax nnx.Module made parallel by jshard.parallel.parallelize, "
                             f"got {kind_of(model)}")
-        _check_tx(tx, "TrainStep")
+        check_tx(tx, "TrainStep")
         if not callable(loss_fn):
             raise TypeError(f"TrainStep: loss_fn must be a function loss_fn(model, *batch) -> scalar loss, got "
                             f"{type(loss_fn).__name__} {loss_fn!r}")
@@ -293,7 +293,9 @@ def _apply(tx: optax.GradientTransformation, grads: Any, opt_state: Any, params:
     return optax.apply_updates(params, updates), opt_state
 
 
-def _check_tx(tx: Any, where: str) -> None:
+def check_tx(tx: Any, where: str) -> None:
+    """Refuse, naming ``where``, a ``tx`` that is no optax transformation (the factory ``optax.adamw`` passed for
+    ``optax.adamw(1e-3)`` says so)."""
     if callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None)):
         return
     # optax.adamw rather than optax.adamw(1e-3): the factory, not the transformation
@@ -311,7 +313,7 @@ def _check_loss(loss: Any, loss_fn: Callable) -> None:
                     "return the loss alone, a float scalar (reduce it, say with jnp.mean)")
 
 
-def _mirror(init: Callable, params: Any) -> Any:
+def mirror_placements(init: Callable, params: Any) -> Any:
     """Output pins for ``init(params)``: subtrees with the structure of ``params`` take their placements."""
     avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params, is_leaf=is_darray)
     shapes = jax.eval_shape(init, avals)

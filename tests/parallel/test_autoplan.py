@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from modules import Gain
 
 import jshard
 from jshard import sharded_attention
@@ -343,3 +344,27 @@ def test_a_constraint_naming_an_axis_the_mesh_lacks_is_refused_in_the_users_name
     with pytest.raises(ValueError, match=rf"mesh axis 'model' is not in the mesh {re.escape(names)}") as e:
         autoplan(_make(), mesh, loss, IDS, IDS, styles=("dp", "fsdp"))
     assert "x0" not in str(e.value) and "x1" not in str(e.value)
+
+
+def test_the_search_proposes_no_pipeline_that_parallelize_refuses():
+    """Blocks are identical for the search as ``parallelize`` takes them (``blocks_differ``): a list whose blocks share
+    a graph but not their parameters' shapes (the last gain a scalar one, broadcast) is no pipeline."""
+
+    class Gains(nnx.Module):
+        def __init__(self):
+            self.lin = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
+            self.blocks = nnx.List([Gain(16), Gain(16), Gain(16), Gain(1)])
+
+        def __call__(self, x):
+            x = self.lin(x)
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    mesh = make_mesh((2, 4))
+    with pytest.raises(ValueError, match=r"block 3 \(Gain\) differs from block 0"):
+        parallelize(Gains, mesh, {"blocks": jshard.parallel.PipelineParallel("tp")})
+    x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+    found = autoplan(Gains, mesh, lambda m, x: jnp.mean(m(x) ** 2), x, styles=("dp", "pp"), runners_up=30)
+    assert all("pp" not in p.roles.values() for p in (found, *found.runners_up))
+    assert all("pp" not in name for name, _ in found.rejected)
