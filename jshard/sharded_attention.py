@@ -68,6 +68,7 @@ from jax import lax
 from jax.typing import ArrayLike
 
 from .cost import Communication
+from .engine.constrain import aliased_axis, users_mesh
 from .local import axis_index, global_index
 from .placements import Partial, Placement, Replicate, Shard, StridedShard
 from .rules.functions import function
@@ -305,8 +306,13 @@ def _pinned(params, ins, outs) -> bool:
     if not isinstance(params["method"], tuple):
         return True
     q, k = ins[0], ins[1]
-    for axis, m in params["method"]:
-        if m == "auto" or q.mesh.shape.get(axis, 1) == 1:
+    for name, m in params["method"]:
+        axis = aliased_axis(name)  # the user's axis, under autoplan's renamed ones too
+        if axis not in q.mesh.axis_names:
+            raise ValueError(f"jshard.attention: method {dict(params['method'])!r} pins mesh axis {name!r}, but the "
+                             f"mesh is {users_mesh(q.mesh)}; name one of its axes (or pass method={m!r} for every "
+                             "axis)")
+        if m == "auto" or q.mesh.shape[axis] == 1:
             continue
         qp, kp = (s.placements[s.mesh.axis_names.index(axis)] for s in (q, k))
         on = {"ring": qp.is_shard and qp.dim == 1 and kp.is_shard and kp.dim == 1,

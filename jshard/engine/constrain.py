@@ -18,8 +18,8 @@ from ..jaxcompat import ad, batching, jc, mlir
 from ..placements import PlacementError, Replicate, normalize_placements
 from ..spec import Spec, format_mesh, shard_order
 
-__all__ = ["axis_aliases", "check_placements", "constrain_p", "constrain_target", "hidden_axis", "partition_pins",
-           "without_hidden_axis"]
+__all__ = ["aliased_axis", "axis_aliases", "check_placements", "constrain_p", "constrain_target", "hidden_axis",
+           "partition_pins", "users_mesh", "without_hidden_axis"]
 
 # (axis, mesh axis names) while a pipelined layer is traced: its program is planned on the mesh without that axis
 _HIDDEN: contextvars.ContextVar[tuple[str, tuple[str, ...]] | None] = contextvars.ContextVar("jshard_hidden_axis",
@@ -64,12 +64,12 @@ def partition_pins(spec, mesh) -> dict[str, object]:
     >>> partition_pins(P(("tp", "dp"), None), jax.make_mesh((2, 4), ("dp", "tp")))
     {'dp': SS(0,4), 'tp': S(0)}
     """
-    users = {_aliased(n): n for n in _users_names(list(mesh.axis_names))}
+    users = {aliased_axis(n): n for n in _users_names(list(mesh.axis_names))}
     index = {name: i for i, name in enumerate(mesh.axis_names)}
     pins = {users[n]: Replicate() for n in mesh.axis_names}
     for d, entry in enumerate(spec):
         names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        order = [index[_aliased(n)] for n in names]
+        order = [index[aliased_axis(n)] for n in names]
         for a, p in shard_order(d, order, tuple(mesh.devices.shape)).items():
             pins[users[mesh.axis_names[a]]] = p
     for name in getattr(spec, "unreduced", ()) or ():
@@ -77,7 +77,8 @@ def partition_pins(spec, mesh) -> dict[str, object]:
     return pins
 
 
-def _aliased(name: str) -> str:
+def aliased_axis(name: str) -> str:
+    """The mesh axis the user's axis ``name`` is on the mesh being planned (itself, but under ``axis_aliases``)."""
     return _ALIASES.get().get(name, name)
 
 
@@ -87,7 +88,8 @@ def _users_names(names: list[str]) -> list[str]:
     return [users.get(n, n) for n in names]
 
 
-def _users_mesh(mesh) -> str:
+def users_mesh(mesh) -> str:
+    """``format_mesh`` of the mesh being planned, in the user's axis names."""
     return format_mesh(mesh, _users_names(list(mesh.axis_names)))
 
 
@@ -99,8 +101,8 @@ def without_hidden_axis(entries: tuple) -> tuple:
         return entries
     axis, names = hidden
     if entries and isinstance(entries[0], tuple):  # (axis name, placement) pairs
-        kept = tuple((name, p) for name, p in entries if _aliased(name) != axis)
-        dropped = [p for name, p in entries if _aliased(name) == axis]
+        kept = tuple((name, p) for name, p in entries if aliased_axis(name) != axis)
+        dropped = [p for name, p in entries if aliased_axis(name) == axis]
     elif len(entries) == len(names):
         i = names.index(axis)
         kept, dropped = entries[:i] + entries[i + 1:], [entries[i]]
@@ -136,14 +138,14 @@ def constrain_target(spec: Spec, placements: tuple) -> Spec:
     if placements and isinstance(placements[0], tuple):  # (axis name, placement) pairs
         names = list(spec.mesh.axis_names)
         for name, p in placements:
-            if _aliased(name) not in names:
-                raise ValueError(f"jshard.constrain: mesh axis {name!r} is not in the mesh {_users_mesh(spec.mesh)}; "
+            if aliased_axis(name) not in names:
+                raise ValueError(f"jshard.constrain: mesh axis {name!r} is not in the mesh {users_mesh(spec.mesh)}; "
                                  f"name one of {_users_names(names)}")
-            current[names.index(_aliased(name))] = p
+            current[names.index(aliased_axis(name))] = p
     else:
         if len(placements) != len(current):
             raise ValueError(f"jshard.constrain: {len(placements)} placements for the {len(current)} axes of "
-                             f"{_users_mesh(spec.mesh)}; give one per axis (None keeps an axis as it is)")
+                             f"{users_mesh(spec.mesh)}; give one per axis (None keeps an axis as it is)")
         current = [c if p is None else p for p, c in zip(placements, current, strict=True)]
     return spec.with_placements(current, where="jshard.constrain")
 

@@ -22,6 +22,7 @@ import pytest
 import jshard
 from conftest import make_mesh, mesh_params
 from jshard import AxisCost, CostModel, Replicate, Shard, StridedShard, attention
+from jshard.engine import axis_aliases
 from jshard.sharded_attention import balanced, load
 
 R = Replicate()
@@ -431,11 +432,28 @@ def test_method_string_context_and_bad_method():
     args = [jshard.distribute(a, mesh, [Shard(1)]) for a in (q, k, v)]
     f = lambda *a: attention(*a, method="all_gather")  # noqa: E731
     assert {_method(r, 0) for r in _rows(jshard.explain(f, *args))} <= {"all-gather", "heads"}
-    with jshard.attention_method({"cp": "ring"}), jshard.attention_method({"dp": "all_gather"}):
+    with jshard.attention_method({"cp": "ring"}):
         assert [_method(r, 0) for r in _rows(jshard.explain(lambda *a: attention(*a), *args))] == ["ring"]
+    # nested, the pins add up; an axis the mesh lacks is refused, never ignored
+    with jshard.attention_method({"cp": "ring"}), jshard.attention_method({"dp": "all_gather"}):
+        with pytest.raises(ValueError, match=r"pins mesh axis 'dp', but the mesh is mesh\(cp=8\)"):
+            jshard.explain(lambda *a: attention(*a), *args)
     for bad in ("zigzag", {"cp": "fast"}):
         with pytest.raises(ValueError, match="jshard.attention: method .* must be one of 'auto', 'ring'"):
             attention(q, k, v, method=bad)
+
+
+def test_a_pin_names_the_users_axis_under_renamed_axes():
+    """Under ``axis_aliases`` (autoplan prices each candidate on axes renamed by role), ``{"cp": "ring"}`` pins the
+    axis the user calls ``cp``, and an axis the user's mesh lacks is refused in the user's names."""
+    mesh = _named((2, 4), ("x0", "x1"))
+    q, k, v = _qkv(b=2, t=32, heads=8, kv_heads=8)
+    args = [jshard.distribute(a, mesh, [Shard(0), Shard(1)]) for a in (q, k, v)]
+    with axis_aliases({"dp": "x0", "cp": "x1"}):
+        rows = _rows(jshard.explain(lambda *a: attention(*a, method={"cp": "ring"}), *args))
+        assert [_method(r, 1) for r in rows] == ["ring"]
+        with pytest.raises(ValueError, match=r"pins mesh axis 'tp', but the mesh is mesh\(dp=2, cp=4\)"):
+            jshard.explain(lambda *a: attention(*a, method={"tp": "ring"}), *args)
 
 
 def test_a_pin_the_shapes_cannot_meet_names_the_check():
