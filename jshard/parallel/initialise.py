@@ -40,6 +40,7 @@ A 16-layer GPT then compiles as many programs as a 2-layer one: one per kind of 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -51,6 +52,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from ..api import jit
+from ..caches import Cache
 from ..darray import DArray
 from ..jaxcompat import constructing, jc, open_jaxpr, source_info_util
 from ..operators import stack
@@ -137,17 +139,17 @@ def initialise(build: Callable[[], nnx.Module] | Constructor, mesh: Mesh, placem
             if set(ms) <= set(members):  # a stage draws only its own members: the keys are split like the stack
                 keys = [np.stack(column) for column in zip(*[[data[v] for v in graph.slices[m][1]] for m in ms],
                                                            strict=True)]
-                drawing = jit(jax.vmap(draw, axis_size=len(ms)), out_placements=[where], mesh=mesh)
-                values[ms[0]] = drawing(*keys)[0]
+                values[ms[0]] = _program(jax.vmap(draw, axis_size=len(ms)), keys, [where], mesh)(*keys)[0]
                 drawn.add(k)
-        program = jit(draw, out_placements=[placements[members[0]]], mesh=mesh)
+        firsts = [data[v] for v in graph.slices[members[0]][1]]
+        program = _program(draw, firsts, [placements[members[0]]], mesh)
         for m in members:
             if stacked.get(m) not in drawn:
                 values[m] = program(*[data[v] for v in graph.slices[m][1]])[0]
     if rest:
         order, _ = graph.closure([params[m] for m in rest])
-        together = jit(graph.replay(order, [], [params[m] for m in rest]),
-                       out_placements=[placements[m] for m in rest], mesh=mesh)
+        together = _program(graph.replay(order, [], [params[m] for m in rest]), [],
+                            [placements[m] for m in rest], mesh)
         for m, value in zip(rest, together(), strict=True):
             values[m] = value
     values = stack_members(values, [s for k, s in enumerate(stacks) if k not in drawn])  # drawn apart: stacked now
@@ -170,6 +172,24 @@ def _split(module: nnx.Module) -> tuple[list, nnx.State]:
     """The values of ``module``'s parameters (in ``nnx.iter_graph`` order) and its other state."""
     params = [v.get_value() for _, v in nnx.iter_graph(module) if isinstance(v, nnx.Param)]
     return params, nnx.state(module, nnx.Not(nnx.Param))
+
+
+_PROGRAMS = Cache(256)  # initialiser programs by what they compute: a model built again reuses them, compiled
+
+
+def _program(fn: Callable[..., list], args: list, placements: list, mesh: Mesh) -> Callable[..., list]:
+    """``jshard.jit(fn, out_placements=placements, mesh=mesh)``, one per computation: keyed by ``fn``'s jaxpr on
+    ``args``' shapes (its text and its constants' bytes), so that ``parallelize`` of the same constructor structure
+    on the same mesh calls the programs the first one compiled."""
+    closed = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype) for a in args])
+    consts = tuple((np.shape(c), str(np.asarray(c).dtype), hashlib.sha256(np.asarray(c).tobytes()).hexdigest())
+                   for c in open_jaxpr(closed)[1])
+    key = (str(closed), consts, tuple(map(tuple, placements)), mesh)
+    program = _PROGRAMS.get(key)
+    if program is None:
+        program = jit(fn, out_placements=placements, mesh=mesh)
+        _PROGRAMS.put(key, program)
+    return program
 
 
 def _from_key_data(fn: Callable[..., list], impls: list) -> Callable[..., list]:

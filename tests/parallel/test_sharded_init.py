@@ -323,3 +323,29 @@ def test_tracing_a_constructor_never_walks_the_trace_for_an_error_message(monkey
 
     jax.make_jaxpr(f)(1.0)
     assert "sharding" not in vars(pe.DynamicJaxprTracer)
+
+
+def test_a_second_parallelize_of_the_same_model_reuses_its_compiled_initialisers(monkeypatch):
+    """The initialiser programs are keyed by what they compute (their jaxpr and constants, placements, mesh): the
+    same constructor structure on the same mesh makes no new program, and the values are the same."""
+    from jshard.parallel import initialise
+
+    mesh = make_mesh((2, 4))
+    styles, default = plan("fsdp+tp")
+    make = lambda: GPT(vocab=64, dim=32, heads=4, layers=2, seq=16, rngs=nnx.Rngs(7))
+    first = parallelize(make, mesh, styles, default=default)
+    made = []
+    monkeypatch.setattr(initialise, "jit", lambda *a, **k: made.append(1) or jshard.jit(*a, **k))
+    again = parallelize(make, mesh, styles, default=default)
+    assert made == []
+    for a, b in zip(leaves(nnx.state(first, nnx.Param)), leaves(nnx.state(again, nnx.Param)), strict=True):
+        assert a.spec == b.spec and np.array_equal(np.asarray(a.full()), np.asarray(b.full()))
+    # another seed draws other values, through the same draw programs (the seed is their argument); another plan
+    # makes programs of its own
+    other = parallelize(lambda: GPT(vocab=64, dim=32, heads=4, layers=2, seq=16, rngs=nnx.Rngs(8)), mesh, styles,
+                        default=default)
+    assert len(made) <= 1 and not np.array_equal(np.asarray(other.head.kernel.get_value().full()),
+                                                 np.asarray(first.head.kernel.get_value().full()))
+    made.clear()
+    parallelize(make, mesh, plan("tp")[0])
+    assert made
