@@ -101,12 +101,20 @@ def trace_constructor(build: Callable[[], nnx.Module]) -> Constructor:
         made["graphdef"], state = nnx.split(module)
         return (*_split(module), state)
 
+    eager = nnx.using_eager_sharding()
     with building():
         closed, (_, other, state) = jax.make_jaxpr(run, return_shape=True)()
     if "graphdef" not in made:
         raise TypeError(f"parallelize: the constructor returned {type(made['module']).__name__}, not a Flax "
                         "nnx.Module")
-    return Constructor(nnx.merge(made["graphdef"], state), closed, other)
+    module = nnx.merge(made["graphdef"], state)
+    # as eager construction records it: the model's state has the tree structure of an eagerly built one
+    variables = [v for _, v in nnx.iter_graph(module) if isinstance(v, nnx.Variable)]
+    variables += jax.tree.leaves(other, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    for v in variables:
+        if isinstance(v, nnx.Variable) and v.get_metadata().get("eager_sharding") is not None:
+            v.set_metadata("eager_sharding", eager)
+    return Constructor(module, closed, other)
 
 
 def initialise(build: Callable[[], nnx.Module] | Constructor, mesh: Mesh, placements: list[tuple],

@@ -232,7 +232,7 @@ REFUSALS = [
      r"channels.*use ColwiseParallel"),
     ("einsum-no-output-features", lambda: nnx.Einsum("bd,dk->b", (8, 2), rngs=nnx.Rngs(0)), "", ColwiseParallel,
      r"parameter 'kernel' \(8, 2\) of Einsum at the root module; its dims are Layout\(kind='weight', inputs=\(0,\), "
-     r"outputs=\(\)\), none of them over the output features"),
+     r"outputs=\(\), stack=0\), none of them over the output features"),
 ]
 
 
