@@ -16,6 +16,19 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=1"
 
+# one persistent compilation cache for the run: the two workers, the notebooks' kernels and the processes the
+# tests start compile many of the same programs (one model's step in several files), and each reads what another
+# compiled; XLA's own caches and its small programs included. A fresh directory per run, removed at its end
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jshard-tests-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 import jax  # noqa: E402
 import jax.extend  # noqa: E402
 import pytest  # noqa: E402

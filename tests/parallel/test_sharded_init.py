@@ -196,7 +196,9 @@ def assert_as_before(build, mesh, model, styles=None, default=()):
 
 @pytest.fixture
 def compiled(monkeypatch):
-    """The number of outputs of every jshard.jit program compiled meanwhile, in order."""
+    """The number of outputs of every jshard.jit program compiled meanwhile, in order (from no program: a model
+    built by an earlier test would lend its initialisers)."""
+    jshard.clear_caches()
     outputs, compile_program = [], jshard.api.compile_program
 
     def counting(*args, **kwargs):
@@ -231,6 +233,7 @@ def test_identical_blocks_share_one_compiled_program(style, mesh_shape, compiled
     programs = {}
     for layers in (2, 4):
         compiled.clear()
+        jshard.clear_caches()  # each depth compiles its own, to be compared
         model = parallelize(lambda: GPT(48, 16, 4, layers, 8, rngs=nnx.Rngs(0)), mesh, styles, default=default)
         programs[layers] = sorted(compiled)
     assert programs[2] == programs[4], programs
