@@ -431,7 +431,7 @@ def blocks_differ(blocks: Sequence[nnx.Module], *, stateless: bool = True) -> st
     >>> from flax import nnx
     >>> blocks_differ([nnx.Linear(4, 4, rngs=nnx.Rngs(i)) for i in range(3)]) is None
     True
-    >>> blocks_differ([nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 8, rngs=nnx.Rngs(0))])[:28]
+    >>> blocks_differ([nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 8, rngs=nnx.Rngs(0))])[:29]
     'block 1 (Linear) differs from'
     """
     first = _signature(blocks[0])
