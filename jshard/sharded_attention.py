@@ -40,8 +40,11 @@ tokens' global positions (``jshard.local.global_index``).
 
 ``bias`` and ``mask`` are sharded along the query sequence with the queries (or Replicate where they broadcast
 there); along the key sequence they stay whole and each device takes the columns of the key chunk it holds.
-Gradients: without ``bias`` / ``mask`` the backward pass is a unit of its own with the same four ways to run;
-with them JAX differentiates the body (``bias`` gets its gradient), planned equation by equation.
+Gradients: the backward pass is a unit of its own with the same four ways to run, blockwise as the forward pass
+is, ``bias`` / ``mask`` or not. ``bias`` gets its gradient there: each device's block of it (its queries' rows,
+every key column), each chunk's score gradient added at its keys' columns as the key blocks visit, summed over
+the dims the bias broadcasts on (a ``Partial`` over the devices that share it). A query whose keys are all masked
+spreads over every key, as jax's does.
 
 >>> import jax, numpy as np, jshard
 >>> rng = np.random.default_rng(0)
@@ -264,8 +267,8 @@ def _tuples(roles: Sequence[str], arrays: Sequence, n_out: int, grouped: bool, m
     def tup(q, kv, kv_out, bias):
         row = []
         for i, (r, a) in enumerate(zip(roles, arrays, strict=True)):
-            if r == "bias":
-                row.append(bias if a.shape[bias.dim] != 1 else R)
+            if r == "bias":  # broadcast on the dim: whole, and its gradient each device's part of a sum
+                row.append(bias if a.shape[bias.dim] != 1 else Partial() if i < n_out else R)
             else:
                 row.append(q if r == "q" else kv_out if i < n_out else kv)
         return tuple(row)
@@ -295,9 +298,10 @@ def _forward_strategies(ins, outs, params):
 
 
 def _backward_strategies(ins, outs, params):
-    # outs: dq, dk, dv; ins: q, k, v, out, lse, cotangent
-    roles = ["q", "kv", "kv", "q", "kv", "kv", "q", "q", "q"]
-    return _tuples(roles, list(outs) + list(ins), 3, _grouped(ins[0], ins[1]), params["method"])
+    # outs: dq, dk, dv (and dbias); ins: q, k, v, (bias, mask,) out, lse, cotangent
+    extras = len(ins) - 6
+    roles = ["q", "kv", "kv"] + ["bias"] * (len(outs) - 3) + ["q", "kv", "kv"] + ["bias"] * extras + ["q"] * 3
+    return _tuples(roles, list(outs) + list(ins), len(outs), _grouped(ins[0], ins[1]), params["method"])
 
 
 def _pinned(params, ins, outs) -> bool:
@@ -363,10 +367,24 @@ def _forward_local(params, ins, outs):
     return run
 
 
+def _masked_vjp_fwd(q, k, v, bias, mask, **static):
+    out, lse = _attention_masked_fwd(q, k, v, bias, mask, **static)
+    return out, (q, k, v, bias, mask, out, lse)
+
+
+def _masked_vjp_bwd(residuals, cotangent, **static):
+    grads = _attention_masked_bwd(*residuals, cotangent, **static)
+    return (*grads[:3], grads[3] if static["with_bias"] else None, None)  # a mask has no gradient
+
+
 def _backward_local(params, ins, outs):
-    def run(q, k, v, out, lse, ct):
+    def run(q, k, v, *rest):
+        *extras, out, lse, ct = rest
+        it = iter(extras)
+        bias = next(it) if params.get("with_bias") else None
+        mask = next(it) if params.get("with_mask") else None
         return list(_backward_kernel(q, k, v, out, lse, ct, *_positions(ins[0], ins[1]), params["scale"],
-                                     params["is_causal"]))
+                                     params["is_causal"], bias, mask))[: len(outs)]
 
     return run
 
@@ -390,10 +408,23 @@ def _attention(q, k, v, *, scale, is_causal, method):
 
 
 @function(_forward_strategies, local=_forward_local, communicates=_forward_traffic, check=_pinned,
-          name="attention_masked")
+          name="attention_masked", vjp=(_masked_vjp_fwd, _masked_vjp_bwd))
 def _attention_masked(q, k, v, bias, mask, *, scale, is_causal, method, with_bias, with_mask):
     # with_bias / with_mask tell the local form which of bias and mask its extra blocks are (a None has no leaf)
     return jax.nn.dot_product_attention(q, k, v, bias, mask, scale=scale, is_causal=is_causal)
+
+
+@function(_forward_strategies, local=_forward_local, communicates=_forward_traffic, check=_pinned,
+          name="attention_masked_fwd")
+def _attention_masked_fwd(q, k, v, bias, mask, *, scale, is_causal, method, with_bias, with_mask):
+    return _forward_kernel(q, k, v, bias, mask, *_whole(q, k), scale, is_causal)
+
+
+@function(_backward_strategies, local=_backward_local, communicates=_backward_traffic, check=_pinned,
+          name="attention_masked_bwd")
+def _attention_masked_bwd(q, k, v, bias, mask, out, lse, ct, *, scale, is_causal, method, with_bias, with_mask):
+    grads = _backward_kernel(q, k, v, out, lse, ct, *_whole(q, k), scale, is_causal, bias, mask)
+    return grads if with_bias else grads[:3]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -498,7 +529,7 @@ class _Chunk:
     padding keys (position -1) get -inf, so they weigh nothing even in a row whose keys are all masked."""
 
     def __init__(self, ctx, rows, kv, kpos):
-        real = kpos >= 0
+        self.kpos, real = kpos, kpos >= 0
         kv = jnp.where(real[None, :, None, None], kv, jnp.zeros((), kv.dtype))  # padding may hold anything
         self.k, self.v = kv[:, :, :ctx.kv_heads], kv[:, :, ctx.kv_heads:]
         qpos, bias, mask = rows["qpos"], rows.get("bias"), rows.get("mask")
@@ -633,9 +664,11 @@ def _forward_kernel(q, k, v, bias, mask, qpos, ktable, me, axes, n, scale, causa
     return out, lse.transpose(0, 3, 1, 2).reshape(q.shape[:3])
 
 
-def _backward_kernel(q, k, v, out, lse, ct, qpos, ktable, me, axes, n, scale, causal):
-    """(dq, dk, dv): dq of this device's queries; dk, dv of the key/value block it owns, or, with the keys whole,
-    this device's part of their sum.
+def _backward_kernel(q, k, v, out, lse, ct, qpos, ktable, me, axes, n, scale, causal, bias=None, mask=None):
+    """(dq, dk, dv), and dbias where there is a ``bias``: dq of this device's queries; dk, dv of the key/value block
+    it owns, or, with the keys whole, this device's part of their sum; dbias of its bias block (the rows of its
+    queries, every key column: each chunk's score gradient added at its keys' columns), summed over the dims the
+    bias broadcasts on.
 
     On the ring the gradient of a block trails it by one step: at each step a device sends on the block it holds
     and the gradient it finished a step ago (plus what arrived for it), both before computing its share of the
@@ -644,42 +677,71 @@ def _backward_kernel(q, k, v, out, lse, ct, qpos, ktable, me, axes, n, scale, ca
     qvalid = qpos >= 0
     delta = jnp.sum(ct.astype(jnp.float32) * out.astype(jnp.float32), -1)  # [b, q, heads]
     row_major = lambda x: _grouped_heads(jnp.where(qvalid[None, :, None], x, 0.0), kh).transpose(0, 2, 3, 1)
-    ctx = _Context(q, k, None, None, qpos, scale, causal, lse=(row_major(lse), 3), delta=(row_major(delta), 3))
+    ctx = _Context(q, k, bias, mask, qpos, scale, causal, lse=(row_major(lse), 3), delta=(row_major(delta), 3))
     ctx.rows["dout"] = (ctx.padded(ctx.grouped(ct).astype(jnp.float32), 1), 1)
     scale = np.float32(scale)
+    heads, keys = q.shape[2], jnp.sum(ktable >= 0).astype(jnp.float32)
 
     def visit(rows, state, chunk):
-        (dq,), lse, delta, dout = state, rows["lse"], rows["delta"], rows["dout"]
-        p = jnp.where((rows["qpos"] >= 0)[:, None], jnp.exp(chunk.s - lse[..., None]), 0.0)
+        dq, lse, delta, dout = state[0], rows["lse"], rows["delta"], rows["dout"]
+        p = jnp.exp(chunk.s - lse[..., None])
+        # a row whose keys are all masked (only a mask does that): jax spreads it evenly over every key, and its
+        # log-sum-exp, the masked value plus log(keys), is the masked value in float32
+        p = jnp.where((lse <= _MASKED / 2)[..., None], jnp.where(chunk.kpos >= 0, 1.0 / keys, 0.0), p)
+        p = jnp.where((rows["qpos"] >= 0)[:, None], p, 0.0)
         dv = jnp.einsum("bkgqs,bqkgd->bskd", p, dout)
         dp = jnp.einsum("bqkgd,bskd->bkgqs", dout, chunk.v, preferred_element_type=jnp.float32)
-        ds = jnp.where(chunk.allowed, p * (dp - delta[..., None]), 0.0) * scale
+        dscore = jnp.where(chunk.allowed, p * (dp - delta[..., None]), 0.0)  # the gradient of a score and its bias
+        ds = dscore * scale
         dq = dq + jnp.einsum("bkgqs,bskd->bkgqd", ds, chunk.k, preferred_element_type=jnp.float32)
         dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, rows["q"], preferred_element_type=jnp.float32)
-        return (dq,), jnp.concatenate([dk, dv], axis=2)
+        if bias is None:
+            return (dq,), jnp.concatenate([dk, dv], axis=2)
+        return (dq, _bias_columns(state[1], dscore, chunk.kpos, bias.shape, heads)), jnp.concatenate([dk, dv], axis=2)
 
-    def share(kv, s, dq):
-        """This device's queries' gradient of the block held at step ``s``, and their dq added up."""
-        (dq,), g = ctx.pairs(kv, _held(ktable, me, s, n), visit, (dq,), jnp.zeros(kv.shape, jnp.float32))
-        return dq, g
+    def share(kv, s, state):
+        """This device's queries' gradients of the block held at step ``s``: added to ``state`` (dq, and dbias), and
+        the held block's."""
+        return ctx.pairs(kv, _held(ktable, me, s, n), visit, state, jnp.zeros(kv.shape, jnp.float32))
 
-    (dq,) = ctx.state(((q.shape[3],), 0.0))
+    state = ctx.state(((q.shape[3],), 0.0))  # dq, and dbias below
+    if bias is not None:  # [batch or 1, 1, heads or 1, query rows, keys or 1]: rows on axis 3, as the state's
+        b, h, _, columns = bias.shape
+        state += (jnp.zeros((b, 1, h, ctx.count * ctx.size, columns), jnp.float32),)
     kv = jnp.concatenate([k, v], axis=2)
     if n == 1:
-        dq, grads = share(kv, 0, dq)
+        state, grads = share(kv, 0, state)
     else:
         following = _rotate(kv, axes, n)
-        dq, done = share(kv, 0, dq)  # the own block: nobody has added to its gradient yet
+        state, done = share(kv, 0, state)  # the own block: nobody has added to its gradient yet
 
         def step(s, carry):
-            dq, kv, done = carry
+            state, kv, done = carry
             following, arrived = _rotate(kv, axes, n), _rotate(done, axes, n)
-            dq, g = share(kv, s, dq)
-            return dq, following, arrived + g
+            state, g = share(kv, s, state)
+            return state, following, arrived + g
 
-        dq, kv, done = lax.fori_loop(1, n - 1, step, (dq, following, done))
+        state, kv, done = lax.fori_loop(1, n - 1, step, (state, following, done))
         arrived = _rotate(done, axes, n)
-        dq, g = share(kv, n - 1, dq)
+        state, g = share(kv, n - 1, state)
         grads = _rotate(arrived + g, axes, n)
-    dq = ctx.unpadded(dq).transpose(0, 3, 1, 2, 4).reshape(q.shape)
-    return dq.astype(q.dtype), grads[:, :, :kh].astype(k.dtype), grads[:, :, kh:].astype(v.dtype)
+    out = [ctx.unpadded(state[0]).transpose(0, 3, 1, 2, 4).reshape(q.shape).astype(q.dtype),
+           grads[:, :, :kh].astype(k.dtype), grads[:, :, kh:].astype(v.dtype)]
+    if bias is not None:
+        dbias = ctx.unpadded(state[1])[:, 0]  # [b, h, rows, keys]
+        out.append((dbias if bias.shape[2] != 1 else dbias.sum(2, keepdims=True)).astype(bias.dtype))
+    return tuple(out)
+
+
+def _bias_columns(dbias, dscore, kpos, shape, heads: int):
+    """A chunk's score gradient [b, kv_heads, group, rows, chunk] added to the bias gradient's block [b', 1, h',
+    rows, keys'] at the chunk's key columns (padding keys carry none), summed over the dims the bias broadcasts on."""
+    b, _, g, rows, chunk = dscore.shape
+    d = dscore.reshape(b, 1, heads, rows, chunk)
+    if shape[0] == 1:
+        d = d.sum(0, keepdims=True)
+    if shape[1] == 1:
+        d = d.sum(2, keepdims=True)
+    if shape[3] == 1:
+        return dbias + d.sum(4, keepdims=True)
+    return dbias.at[..., jnp.maximum(kpos, 0)].add(jnp.where(kpos >= 0, d, 0.0))

@@ -28,7 +28,8 @@ from jshard.sharded_attention import balanced, load
 R = Replicate()
 RING = CostModel(default=AxisCost(latency_us=20.0))  # a hop costs more than a launch: one-hop steps pay
 GATHER = CostModel(launch_us=100.0, default=AxisCost(bandwidth_gbps=1e6))  # launches dear, bytes free: fewest win
-PRIMS = ("jshard.attention", "jshard.attention_fwd", "jshard.attention_bwd", "jshard.attention_masked")
+PRIMS = ("jshard.attention", "jshard.attention_fwd", "jshard.attention_bwd", "jshard.attention_masked",
+         "jshard.attention_masked_fwd", "jshard.attention_masked_bwd")
 
 
 def _qkv(b=2, t=32, heads=4, kv_heads=2, dim=8, tk=None, seed=0):
@@ -218,11 +219,41 @@ def test_bias_and_mask_with_the_sequence_sharded(shape, model):
     mask[0, 1, 3] = False  # a row with every key masked: jax averages all values
     seq = _seq_placements(shape)
     placements = [seq, seq, seq, _seq_placements(shape, 2), [R] * len(shape)]
-    forward, _ = _check(mesh, placements, (q, k, v, bias, mask), model, extra=("bias", "mask"), is_causal=True)
+    forward, backward = _check(mesh, placements, (q, k, v, bias, mask), model, extra=("bias", "mask"),
+                               is_causal=True)
     (row,) = _rows(forward)
     assert row["primitive"] == "jshard.attention_masked"
     n = shape[-1]
     assert _method(row, len(shape) - 1) == (_expected(model, n) if n > 1 else "replicate")
+    # the gradient is blockwise too: a forward and a backward unit, and no score matrix anywhere else
+    rows = _rows(backward)
+    assert [r["primitive"] for r in rows] == ["jshard.attention_masked_fwd", "jshard.attention_masked_bwd"]
+    assert not [r for r in backward.rows if r["primitive"] in ("exp", "dot_general")]
+    assert _method(rows[0], len(shape) - 1) == (_expected(model, n) if n > 1 else "replicate")
+    assert n == 1 or _method(rows[1], len(shape) - 1) in ("ring", "all-gather")  # the backward's own choice
+
+
+@pytest.mark.parametrize("bias_shape", [(2, 8, 32, 32), (1, 1, 32, 32), (2, 1, 1, 32), (1, 8, 32, 1)],
+                         ids=["full", "shared", "per-key", "per-query"])
+@pytest.mark.parametrize("method", ["ring", "all_gather", "all_to_all"])
+def test_a_bias_gets_its_gradient_blockwise_whatever_it_broadcasts_on(bias_shape, method):
+    """The bias's gradient is each device's block of the score gradient, added at its keys' columns as the key
+    blocks visit, and summed over the devices where the bias broadcasts (a Partial the engine reduces)."""
+    mesh = _named((2, 4), ("dp", "cp"))
+    q, k, v = _qkv(heads=8, kv_heads=4)
+    rng = np.random.default_rng(3)
+    bias = rng.normal(size=bias_shape).astype(np.float32)
+    mask = rng.random((2, 1, 32, 32)) > 0.2
+    mask[1, 0, 5] = False  # a query that attends nothing
+    seq = [Shard(0), balanced(32, 4)]
+    bias_at = [Shard(0) if bias_shape[0] > 1 else R, Shard(2) if bias_shape[2] > 1 else R]
+    args = [jshard.distribute(a, mesh, p) for a, p in zip((q, k, v, bias, mask), [seq] * 3 + [bias_at, seq])]
+    grad = jax.grad(_loss(attention, is_causal=True, method={"cp": method}), (0, 1, 2, 3))
+    want = jax.grad(_loss(jax.nn.dot_product_attention, is_causal=True), (0, 1, 2, 3))(q, k, v, bias, mask)
+    for g, w in zip(jshard.jit(grad)(*args), want, strict=True):
+        _close(g.full(), w, 1e-4)
+    rows = _rows(jshard.explain(grad, *args))
+    assert len(rows) == 2 and rows[1]["primitive"] == "jshard.attention_masked_bwd"
 
 
 def test_explain_names_the_ring_and_the_gather():
