@@ -355,6 +355,15 @@ def _unstack(ins, outs, params) -> list[tuple]:
     return _kept(kept, n_out=k) + _partials(k, [True]) + unit_presence(ins, outs)
 
 
+@register("stack")
+def _stack(ins, outs, params) -> list[tuple]:
+    # the arrays along a new dim ``axis`` (unstack's gradient on jax >= 0.12, lax.stack): each output dim but the new
+    # one is the same dim of every input
+    axis, n = int(params["axis"]), len(ins)
+    t = [(Φ(d),) + (Φ(d - (d > axis)),) * n for d in range(len(outs[0].shape)) if d != axis]
+    return t + _partials(1, [True] * n) + unit_presence(ins, outs)
+
+
 # -- iota ------------------------------------------------------------------------------------------
 
 

@@ -61,6 +61,9 @@ PROGRAMS += [
     (lambda a: jnp.split(a, [1], axis=1), (arr((5, 3), "int32"),)),
     (lambda a: lax.unstack(a, axis=1), (arr((5, 3)),)),
     (lambda a: lax.unstack(a, axis=0), (arr((2, 4, 3), "int32"),)),
+    (lambda a, b: lax.stack([a, b], axis=0), (arr((5, 3)), arr((5, 3), salt=1))),
+    (lambda a, b, c: lax.stack([a, b, c], axis=2), (arr((2, 4, 3)), arr((2, 4, 3), salt=1), arr((2, 4, 3), salt=2))),
+    (lambda a, b: lax.stack([a, b], axis=1), (arr((4, 6), "int32"), arr((4, 6), "int32", salt=1))),
 ]
 
 # -- pad, slice -------------------------------------------------------------------------------------
