@@ -74,3 +74,14 @@ def mesh_params(shapes=tuple(MESH_SHAPES), default=DEFAULT_MESH_SHAPES) -> list:
 def mesh(request):
     """Every mesh of the matrix: the default ones in the default suite, the others under ``-m slow``."""
     return make_mesh(request.param)
+
+
+# the files whose tests start processes of their own (notebook kernels, two JAX processes, the demo, a benchmark) run
+# longest: dealt first, whole files in their own order, so that the two workers finish together rather than one
+# waiting out the other's last long test
+_DEALT_FIRST = ("test_multiprocess.py", "test_notebooks.py", "test_readme.py", "test_demo.py",
+                "test_autoplan_benchmark.py", "test_pipeline_benchmark.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name not in _DEALT_FIRST)  # a stable sort
