@@ -291,6 +291,21 @@ def check_jax_arrays_in(mesh: Mesh, codes, value) -> None:
                  terms=np.abs(t).sum(0) + np.abs(value[0]), err_msg=f"jax.Array in, {name_of(codes)}")
 
 
+def check_jax_code_on_darrays(mesh: Mesh, codes, value) -> None:
+    """A DArray spanning both processes, read by plain JAX code: a ``jax.tree`` leaf, ``jnp.sum`` of it and
+    ``jax.jit`` of it (``DArray.as_jax``: each process gives only the blocks of its own devices) equal float64
+    numpy, and an elementwise result stays where the DArray is."""
+    x = jshard.distribute(value, mesh, placements(codes))
+    assert jax.tree.leaves({"x": x}) == [x] and jax.tree.map(jnp.shape, {"x": x}) == {"x": value.shape}
+    total = float(jnp.sum(x))
+    assert_close(np.float32(total), value.astype(np.float64).sum(), n=value.size,
+                 terms=np.abs(value).sum(), err_msg=f"jnp.sum, {name_of(codes)}")
+    twice = jax.jit(lambda a: a * 2)(x)
+    assert twice.sharding.device_set == set(mesh.devices.flat)
+    for shard in twice.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), value[shard.index] * 2)
+
+
 def check_explicit_closure(inside: bool) -> None:
     """A function closing over a ``jax.Array`` on Explicit mesh axes (``jax.make_mesh``'s default: the sharding
     is in its type), spanning both processes: an input of the program where it lies, inside
@@ -783,6 +798,8 @@ def main() -> None:
         for codes in (data, ("S1",) + data[1:]):
             check(f"from_process_local/{key}/{name_of(codes)}", check_from_process_local, mesh, codes, VALUE)
         check(f"jax_arrays_in/{key}", check_jax_arrays_in, mesh, data, EVEN)
+        check(f"jax_arrays_out/{key}", check_jax_code_on_darrays, mesh, data, VALUE)
+        check(f"jax_arrays_out/{key}/partial", check_jax_code_on_darrays, mesh, ("Psum",) + data[1:], VALUE)
     check("from_process_local/2x1x4/S0,S0,R", check_from_process_local, SIZE_ONE, ("S0", "S0", "R"), VALUE)
     check("jax_arrays_in/another_mesh", check_jax_array_on_another_mesh)
     for inside in (True, False):

@@ -5,7 +5,8 @@ coordinator port, gloo CPU collectives, different hash seeds to catch set/dict-o
 processes). Each worker runs every check on meshes whose axes in turn cross the two processes: ``distribute``
 (Shard, uneven Shard, Replicate, Partial), ``from_local`` and ``from_process_local`` (each process its own rows)
 against independently computed local blocks, ``redistribute`` across placement kinds, sharded ``jax.Array``s
-passed to and closed over by ``jshard.jit`` (on Auto and on Explicit mesh axes), ``jshard.jit`` of an MLP and
+passed to and closed over by ``jshard.jit`` (on Auto and on Explicit mesh axes), DArrays read by plain JAX code
+(``jax.tree``, ``jnp.sum``, ``jax.jit``; a pending sum and uneven splits among them), ``jshard.jit`` of an MLP and
 its ``value_and_grad`` against float64 numpy, ``jshard.attention`` with the sequence sharded over an axis that
 crosses the processes (ring, all-gather and all-to-all, causal and not, output and gradients against
 ``jax.nn.dot_product_attention``; and beside a batch axis that crosses them), and the demo's GPT initialised
@@ -34,8 +35,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 WORKER = os.path.join(ROOT, "tests", "multiprocess_worker.py")
 TIMEOUT = 480  # seconds, for both workers together (about 60 on 2 idle cores before the pipelined checks; 280-320
 # with them on 2 shared cores at a load of 11-12)
-GROUPS = ("distribute", "from_local", "from_process_local", "jax_arrays_in", "redistribute", "jit_mlp", "attention",
-          "gpt", "checkpoint")
+GROUPS = ("distribute", "from_local", "from_process_local", "jax_arrays_in", "jax_arrays_out", "redistribute",
+          "jit_mlp", "attention", "gpt", "checkpoint")
 
 
 def run_workers(tmp) -> tuple[list[int | None], list[str], list[dict | None], float]:
