@@ -233,15 +233,20 @@ def test_bias_and_mask_with_the_sequence_sharded(shape, model):
     assert n == 1 or _method(rows[1], len(shape) - 1) in ("ring", "all-gather")  # the backward's own choice
 
 
-@pytest.mark.parametrize("bias_shape", [(2, 8, 32, 32), (1, 1, 32, 32), (2, 1, 1, 32), (1, 8, 32, 1)],
-                         ids=["full", "shared", "per-key", "per-query"])
-@pytest.mark.parametrize("method", ["ring", "all_gather", "all_to_all"])
-def test_a_bias_gets_its_gradient_blockwise_whatever_it_broadcasts_on(bias_shape, method):
+_BIASES = {"full": (2, 8, 32, 32), "shared": (1, 1, 32, 32), "per-key": (2, 1, 1, 32), "per-query": (1, 8, 32, 1)}
+_METHODS = ("ring", "all_gather", "all_to_all")
+
+
+@pytest.mark.parametrize("bias,method", [
+    pytest.param(b, m, id=f"{m}-{b}", marks=() if (i + j) % 3 == 0 else pytest.mark.slow)  # each shape, each way
+    for i, b in enumerate(_BIASES) for j, m in enumerate(_METHODS)])
+def test_a_bias_gets_its_gradient_blockwise_whatever_it_broadcasts_on(bias, method):
     """The bias's gradient is each device's block of the score gradient, added at its keys' columns as the key
     blocks visit, and summed over the devices where the bias broadcasts (a Partial the engine reduces)."""
     mesh = _named((2, 4), ("dp", "cp"))
     q, k, v = _qkv(heads=8, kv_heads=4)
     rng = np.random.default_rng(3)
+    bias_shape = _BIASES[bias]
     bias = rng.normal(size=bias_shape).astype(np.float32)
     mask = rng.random((2, 1, 32, 32)) > 0.2
     mask[1, 0, 5] = False  # a query that attends nothing
