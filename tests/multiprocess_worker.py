@@ -601,6 +601,39 @@ def check_gpt() -> None:
     match_one_device("gpt", losses)
 
 
+def check_gpt_scanned_and_explicit(kind: str) -> None:
+    """Models of the patterns users write, on 2x4 with the data axis crossing the processes, against the same model
+    on one device: the GPT with scanned blocks (``scan=True``, fsdp+tp: the stack placed as one layer, FSDP
+    gathering a layer a scan step), and a Gemma-shaped model annotated for JAX's explicit sharding (its
+    annotations the plan, its calls' ``out_sharding=`` pins)."""
+    from flax import nnx
+
+    from jshard.gpt import GPT, one_device_trainer, plan, summed_terms
+    from jshard.parallel import TrainStep, parallelize
+    from jshard.validate.tolerance import curve_ratio
+
+    _, loss_fn, tx, windows = gpt_problem()
+    if kind == "scanned":
+        make = lambda: GPT(VOCAB, DIM, HEADS, LAYERS, SEQ, rngs=nnx.Rngs(0), scan=True)  # noqa: E731
+        styles, default = plan("fsdp+tp", dp="dp", tp="tp", scan=True)
+    else:
+        from modules import ExplicitGemma
+
+        make = lambda: ExplicitGemma(vocab=VOCAB, dim=DIM, layers=LAYERS, rngs=nnx.Rngs(0))  # noqa: E731
+        styles, default = {}, ()
+        reference = lambda: ExplicitGemma(vocab=VOCAB, dim=DIM, layers=LAYERS, sharded=False,  # noqa: E731
+                                          rngs=nnx.Rngs(0))
+    mesh = MESHES["2x4"]
+    train = TrainStep(parallelize(make, mesh, styles, default=default), tx, loss_fn)
+    ours = train_gpt(train, mesh, [Shard(0), Replicate()], windows, f"gpt_{kind}")
+    one = one_device_trainer((make if kind == "scanned" else reference)(), tx, loss_fn)
+    theirs = [one(jnp.asarray(w[:, :-1]), jnp.asarray(w[:, 1:])) for w in windows]
+    RESULTS["losses"][f"gpt_{kind}"] = [v.hex() for v in ours]
+    # the Gemma's MLP and heads are wider than the GPT's terms count: twice the GPT's count bounds both
+    ratio = curve_ratio(ours, theirs, n_per_step=2 * summed_terms(VOCAB, DIM, LAYERS, SEQ, BATCH))
+    assert ratio <= 1, f"{kind}: losses {ours} vs one device {theirs}: {ratio:.2f} of the rounding bound"
+
+
 def check_gpt_context_parallel() -> None:
     """Context parallelism over all 8 devices (``plan("cp")``, attention by ring): the ids and labels striped
     over cp (``balanced``), the key/value blocks passing between the processes at every layer, forward and
@@ -809,6 +842,8 @@ def main() -> None:
     for name in ATTENTION:
         check(f"attention/{name}", check_attention, name)
     check("gpt/tp_2x4", check_gpt)
+    for kind in ("scanned", "explicit"):
+        check(f"gpt/{kind}_2x4", check_gpt_scanned_and_explicit, kind)
     check("gpt/cp8_ring", check_gpt_context_parallel)
     check("gpt/autoplan_2x4", check_gpt_autoplan)
     check("gpt/pp2xdp2xtp2_pp_across", check_gpt_pipeline)

@@ -10,7 +10,8 @@ passed to and closed over by ``jshard.jit`` (on Auto and on Explicit mesh axes),
 its ``value_and_grad`` against float64 numpy, ``jshard.attention`` with the sequence sharded over an axis that
 crosses the processes (ring, all-gather and all-to-all, causal and not, output and gradients against
 ``jax.nn.dot_product_attention``; and beside a batch axis that crosses them), and the demo's GPT initialised
-sharded (bitwise the eager values) and trained 3 ``TrainStep``s, tensor-parallel, context-parallel (the ring
+sharded (bitwise the eager values) and trained 3 ``TrainStep``s, tensor-parallel, with scanned blocks (fsdp+tp),
+as a Gemma-shaped model annotated for JAX's explicit sharding, context-parallel (the ring
 crossing the processes) and pipelined (pp x dp x tp with one stage on each process: each holds only its own
 stage's blocks, and the schedule's activations and input gradients pass between the processes), against one
 device; checkpoints saved across the processes restore into other layouts and meshes, and the tensor-parallel and
