@@ -208,10 +208,9 @@ class DArray:
             return self._jax
         target = self.spec.nearest_jax_layout()
         near = self if target == self.placements else self.redistribute(target)
-        sharding = NamedSharding(auto_mesh(self.mesh), near.spec.to_partition_spec(where="as_jax"))
         local = near.spec.local_block_shape
         array = jax.make_array_from_single_device_arrays(
-            self.shape, sharding, [s.data.reshape(local) for s in near.block.addressable_shards])
+            self.shape, self.sharding, [s.data.reshape(local) for s in near.block.addressable_shards])
         if near is not self:  # kept: it cost a program. A view of the block is not, so donating the block stays free
             self._jax = array
         return array
