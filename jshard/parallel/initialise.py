@@ -188,10 +188,14 @@ _PROGRAMS = Cache(256)  # initialiser programs by what they compute: a model bui
 def _program(fn: Callable[..., list], args: list, placements: list, mesh: Mesh) -> Callable[..., list]:
     """``jshard.jit(fn, out_placements=placements, mesh=mesh)``, one per computation: keyed by ``fn``'s jaxpr on
     ``args``' shapes (its text and its constants' bytes), so that ``parallelize`` of the same constructor structure
-    on the same mesh calls the programs the first one compiled."""
+    on the same mesh calls the programs the first one compiled. A computation holding a large constant (a closed-over
+    pretrained array, perhaps sharded over processes) is not keyed: its bytes are never fetched to be hashed."""
     closed = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype) for a in args])
+    constants = open_jaxpr(closed)[1]
+    if any(np.size(c) > SMALL or not getattr(c, "is_fully_addressable", True) for c in constants):
+        return jit(fn, out_placements=placements, mesh=mesh)
     consts = tuple((np.shape(c), str(np.asarray(c).dtype), hashlib.sha256(np.asarray(c).tobytes()).hexdigest())
-                   for c in open_jaxpr(closed)[1])
+                   for c in constants)
     key = (str(closed), consts, tuple(map(tuple, placements)), mesh)
     program = _PROGRAMS.get(key)
     if program is None:
