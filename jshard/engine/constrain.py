@@ -69,6 +69,10 @@ def partition_pins(spec, mesh) -> dict[str, object]:
     pins = {users[n]: Replicate() for n in mesh.axis_names}
     for d, entry in enumerate(spec):
         names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        missing = [n for n in names if aliased_axis(n) not in index]
+        if missing:
+            raise ValueError(f"out_sharding={spec} names mesh axis {missing[0]!r}, but the mesh is "
+                             f"{users_mesh(mesh)}; name its axes (the mesh parallelize was given)")
         order = [index[aliased_axis(n)] for n in names]
         for a, p in shard_order(d, order, tuple(mesh.devices.shape)).items():
             pins[users[mesh.axis_names[a]]] = p

@@ -91,3 +91,12 @@ def test_the_users_own_set_mesh_still_works():
         got = float(step(*(jshard.distribute(a, mesh, (Shard(0), R)) for a in (ids, labels))))
     want = one_device_trainer(ExplicitGemma(sharded=False, rngs=nnx.Rngs(0)), optax.sgd(0.1), loss_fn)(ids, labels)
     assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_an_out_sharding_naming_an_axis_the_mesh_lacks_is_refused_by_name():
+    mesh = make_mesh((2, 4))
+    model = parallelize(lambda: ExplicitGemma(fsdp="data", tp="model", sharded=False, rngs=nnx.Rngs(0)), mesh)
+    model.act["btd"] = jax.sharding.PartitionSpec("data", None, "model")  # written for another mesh
+    ids = jshard.distribute(batches(1)[0][0], mesh, (Shard(0), R))
+    with pytest.raises(ValueError, match=r"out_sharding=.*names mesh axis 'data', but the mesh is mesh\(dp=2, tp=4\)"):
+        jshard.jit(lambda m, ids: m(ids))(model, ids)
