@@ -59,7 +59,8 @@ from jax.interpreters import ad, batching, mlir
 from jax.interpreters import partial_eval as pe
 
 __all__ = ["Scan", "While", "ad", "batching", "cond_branches", "constructing", "inlined_call", "is_sharding_type_error",
-           "jc", "mlir", "open_jaxpr", "register_array_type", "scan_params", "source_info_util", "while_params"]
+           "jc", "mlir", "open_jaxpr", "register_array_type", "run_equations", "scan_params", "source_info_util",
+           "while_params"]
 
 # calls whose body runs as it is, by the param holding the body: the engine follows them inline (autodiff
 # already happened when the jaxpr was traced); ``remat2`` is ``jax.checkpoint``, named ``checkpoint`` in the
@@ -161,6 +162,17 @@ def is_sharding_type_error(e: BaseException) -> bool:
     axes) leave its result's ambiguous. JAX raises it from ``jax._src.core`` and exports it nowhere, so it is
     known by its class name."""
     return any(c.__name__ == "ShardingTypeError" for c in type(e).__mro__)
+
+
+def run_equations(eqns: list, env: dict, outvars: list) -> list:
+    """``outvars`` computed by binding ``eqns`` in order on the values ``env`` gives their inputs (it takes their
+    outputs too), each under its source line, so errors and warnings name the user's line."""
+    read = lambda v: v.val if isinstance(v, jc.Literal) else env[v]  # noqa: E731
+    for e in eqns:
+        with source_info_util.user_context(e.source_info.traceback, name_stack=e.source_info.name_stack):
+            out = e.primitive.bind(*map(read, e.invars), **e.primitive.get_bind_params(e.params))
+        env.update(zip(e.outvars, out if e.primitive.multiple_results else [out], strict=True))
+    return [read(v) for v in outvars]
 
 
 def inlined_call(eqn: jc.JaxprEqn) -> Any | None:

@@ -54,7 +54,7 @@ from jax.sharding import Mesh
 from ..api import jit
 from ..caches import Cache
 from ..darray import DArray
-from ..jaxcompat import constructing, jc, open_jaxpr, source_info_util
+from ..jaxcompat import constructing, jc, open_jaxpr, run_equations
 from ..operators import stack
 
 __all__ = ["Constructor", "building", "initialise", "stack_members", "trace_constructor"]
@@ -288,12 +288,7 @@ class _Graph:
         def run(*values):
             env = dict(self.env)
             env.update(zip(inputs, values, strict=True))
-            read = lambda v: v.val if isinstance(v, jc.Literal) else env[v]  # noqa: E731
-            for e in eqns:
-                with source_info_util.user_context(e.source_info.traceback, name_stack=e.source_info.name_stack):
-                    out = e.primitive.bind(*map(read, e.invars), **e.primitive.get_bind_params(e.params))
-                env.update(zip(e.outvars, out if e.primitive.multiple_results else [out], strict=True))
-            return [read(v) for v in outvars]
+            return run_equations(eqns, env, outvars)
 
         return run
 

@@ -36,6 +36,7 @@ import contextlib
 import fnmatch
 import functools
 import inspect
+import itertools
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -57,8 +58,8 @@ from ..placements import Placement, Replicate
 from ..spec import Spec, format_mesh, shard_order
 from .initialise import Constructor, initialise, stack_members, trace_constructor
 from .plan import Plan
-from .stages import Pipelined, stacked_placements
-from .styles import ParallelStyle, PipelineParallel, UnplacedParameter, is_array, style_classes
+from .stages import blocks_differ
+from .styles import ParallelStyle, UnplacedParameter, is_array, style_classes
 
 __all__ = ["blocks_differ", "module_key", "parallelize", "placements_of"]
 
@@ -122,12 +123,12 @@ def parallelize(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh,
     default = _styles(default, "default=")
     rules = _rules(rules, mesh)
     matched = _match(model, mesh, plan, default)
-    pipelines = _pipelines(matched, mesh)
-    params = _place(model, matched, mesh, rules)
+    rebuilds = _restructures(matched, mesh)
+    params = _place(model, matched, mesh, rules, rebuilds)
     units = _units(matched, params)
-    stacks = _stacks(params, pipelines, mesh)
+    stacks = _stacks(params, rebuilds)
     values = _build(model, build, mesh, params, stacks)
-    _install(matched, params, values, units, pipelines)
+    _install(matched, params, values, units, rebuilds)
     return model
 
 
@@ -138,20 +139,20 @@ def parallelize_shapes(model: nnx.Module, mesh: Mesh, plan: Mapping[str, Any] | 
     and lower a training step (``jshard.jit(...).trace``; ``autoplan`` prices plans so), never to run one."""
     plan, default = _plan(plan), _styles(default, "default=")
     matched = _match(model, mesh, plan, default)
-    pipelines = _pipelines(matched, mesh)
-    params = _place(model, matched, mesh, {})
+    rebuilds = _restructures(matched, mesh)
+    params = _place(model, matched, mesh, {}, rebuilds)
     units = _units(matched, params)
 
     def shaped(shape, dtype, placements):
         return abstract(Spec.create(mesh, placements, shape, dtype))
 
     values = [shaped(p.value.shape, p.value.dtype, p.placements) for p in params]
-    for members, placements in _stacks(params, pipelines, mesh):
+    for members, placements in _stacks(params, rebuilds):
         first = params[members[0]].value
         values[members[0]] = shaped((len(members), *first.shape), first.dtype, placements)
         for m in members[1:]:
             values[m] = None
-    _install(matched, params, values, units, pipelines)
+    _install(matched, params, values, units, rebuilds)
     return model
 
 
@@ -300,9 +301,10 @@ def _match(model: nnx.Module, mesh: Mesh, plan: dict[str, tuple[ParallelStyle, .
     return _Matched(modules, _on(default, mesh), {path: _on(s, mesh) for path, s in styles.items()})
 
 
-def _place(model: nnx.Module, matched: _Matched, mesh: Mesh, rules: dict[str, Any]) -> list[_Placed]:
+def _place(model: nnx.Module, matched: _Matched, mesh: Mesh, rules: dict[str, Any],
+           rebuilds: list[tuple[tuple, Any]]) -> list[_Placed]:
     """Step 2, the placements: per parameter and mesh axis, the style placing it there (see ``_placing``), else its
-    Flax sharding annotation, else Replicate."""
+    Flax sharding annotation, else Replicate; then as a style restructuring a module around it says."""
     names = list(mesh.axis_names)
     placed = []
     for path, var in nnx.iter_graph(model):
@@ -317,6 +319,9 @@ def _place(model: nnx.Module, matched: _Matched, mesh: Mesh, rules: dict[str, An
         for style, _ in placing.values():
             placements[names.index(style.axis)] = _param(style, matched.modules[owner], owner, str(path[-1]), shape)
         placements = _fsdp_inside(placements, [s for s, _ in placing.values()], mesh)
+        for at, rebuild in rebuilds:
+            if path[:len(at)] == at:
+                placements = rebuild.placements(path[len(at):], tuple(placements))
         placed.append(_Placed(var, path, full, owner, tuple(placements), placing))
     return placed
 
@@ -352,7 +357,7 @@ def _build(model: nnx.Module, build: Constructor | None, mesh: Mesh, params: lis
 
 
 def _install(matched: _Matched, params: list[_Placed], values: list[DArray], units: dict[tuple, tuple],
-             pipelines: list[tuple[tuple, PipelineParallel]]) -> None:
+             rebuilds: list[tuple[tuple, Any]]) -> None:
     """Step 5, the change, all at once: each parameter takes its DArray, and each callable module that constrains
     its calls, gathers a unit or holds parameters (the model itself among them) takes a class whose ``__call__``
     does so and runs eagerly on DArrays."""
@@ -367,92 +372,44 @@ def _install(matched: _Matched, params: list[_Placed], values: list[DArray], uni
         wrap = constraining or path in units or path in holders
         classes[path] = _constrained(base, constraining, units.get(path, ())) if wrap else base
     for p, value in zip(params, values, strict=True):
-        if value is not None:  # None: a pipelined block's parameter, drawn into the first block's stack
+        if value is not None:  # None: a parameter drawn into another's stack
             p.var.set_value(value)
     for path, cls in classes.items():
         matched.modules[path].__class__ = cls
-    for path, style in pipelines:  # the first block holds every block's parameters, stacked
-        blocks = list(matched.modules[path])
-        setattr(matched.modules[path[:-1]], path[-1], Pipelined(blocks[0], len(blocks), style))
+    for path, rebuild in rebuilds:
+        module = matched.modules[path]
+        new = rebuild.install(module)
+        if new is not module:
+            setattr(matched.modules[path[:-1]], path[-1], new)
 
 
-def _pipelines(matched: _Matched, mesh: Mesh) -> list[tuple[tuple, PipelineParallel]]:
-    """The lists of blocks a ``PipelineParallel`` is matched on, checked before anything changes: identical modules,
-    as many as the stages can split, held by an attribute."""
+def _restructures(matched: _Matched, mesh: Mesh) -> list[tuple[tuple, Any]]:
+    """The modules a style rebuilds (``ParallelStyle.restructure``), each with the style's answer, asked before
+    anything changes (it checks the module). One per module, and none inside another."""
     found = []
     for path, styles in matched.styles.items():
         for style in styles:
-            if not isinstance(style, PipelineParallel):
-                continue
-            module, where = matched.modules[path], module_key(path) or "the root module"
-            blocks = list(module) if isinstance(module, nnx.List) else None
-            if not blocks or not path or not isinstance(path[-1], str):
-                raise ValueError(f"parallelize: {style.label} is matched on {where} ({type(module).__name__}); "
-                                 "match it on a list of identical blocks held by a module attribute (nnx.List), say "
-                                 "'blocks'")
-            if matched.default and any(s.axis == style.axis for s in matched.default):
-                raise ValueError(f"parallelize: default= places parameters on mesh axis {style.axis!r}, which "
-                                 f"{style.label} uses for its stages; put the default styles on the other axes")
-            why = blocks_differ(blocks)
-            if why is not None:
-                raise ValueError(f"parallelize: {style.label} stacks the blocks of {where}, and {why}")
-            size = mesh.shape[style.axis] * style.virtual_stages
-            if len(blocks) % size:
-                raise ValueError(f"parallelize: {style.label} splits the {len(blocks)} blocks of {where} into "
-                                 f"{mesh.shape[style.axis]} stages x {style.virtual_stages} virtual stages; use a "
-                                 f"block count that is a multiple of {size} (or another axis size)")
-            found.append((path, style))
-    if len(found) > 1:
-        raise ValueError(f"parallelize: PipelineParallel is matched on {len(found)} lists of blocks "
-                         f"({', '.join(module_key(p) for p, _ in found)}); a model has one pipeline")
-    return found
+            rebuild = style.restructure(matched.modules[path], module_key(path), mesh)
+            if rebuild is not None:
+                found.append((path, style, rebuild))
+    for (a, s, _), (b, t, _) in itertools.combinations(found, 2):
+        if a[:len(b)] == b or b[:len(a)] == a:
+            raise ValueError(f"parallelize: {s.label} at {module_key(a) or 'the root module'} and {t.label} at "
+                             f"{module_key(b) or 'the root module'} both rebuild the modules there, one inside the "
+                             "other's; match one of them")
+    return [(path, rebuild) for path, _, rebuild in found]
 
 
-def _stacks(params: list[_Placed], pipelines: list[tuple[tuple, PipelineParallel]],
-            mesh: Mesh) -> list[tuple[list[int], tuple]]:
-    """Per parameter of a pipelined block (by its path inside the block): the parameters of every block, in block
-    order, and the placements of their stack (``stacked_placements``)."""
+def _stacks(params: list[_Placed], rebuilds: list[tuple[tuple, Any]]) -> list[tuple[list[int], tuple]]:
+    """The parameters drawn as one stacked parameter (their indices into ``params``, the first holding the stack)
+    and the stack's placements, as each restructuring style says."""
     stacks = []
-    for path, style in pipelines:
-        by_name: dict[tuple, list[int]] = {}
-        for i, p in enumerate(params):
-            if p.path[:len(path)] == path:
-                by_name.setdefault(p.path[len(path) + 1:], []).append(i)
-        for members in by_name.values():
-            stacks.append((members, stacked_placements(params[members[0]].placements, mesh, style, module_key(path))))
+    for at, rebuild in rebuilds:
+        inside = [i for i, p in enumerate(params) if p.path[:len(at)] == at]
+        for members, placements in rebuild.stacks([params[i].path[len(at):] for i in inside],
+                                                   [params[i].placements for i in inside]):
+            stacks.append(([inside[m] for m in members], placements))
     return stacks
-
-
-def blocks_differ(blocks: Sequence[nnx.Module], *, stateless: bool = True) -> str | None:
-    """Why ``blocks`` are not identical blocks, which one block's graph runs (a pipeline's stages, blocks
-    ``autoplan`` prices as one), whose state is their parameters where ``stateless`` (as a pipeline's must be);
-    None where they are.
-
-    >>> from flax import nnx
-    >>> blocks_differ([nnx.Linear(4, 4, rngs=nnx.Rngs(i)) for i in range(3)]) is None
-    True
-    >>> blocks_differ([nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 8, rngs=nnx.Rngs(0))])[:29]
-    'block 1 (Linear) differs from'
-    """
-    first = _signature(blocks[0])
-    for i, b in enumerate(blocks[1:], 1):
-        if _signature(b) != first:
-            return (f"block {i} ({type(b).__name__}) differs from block 0 ({type(blocks[0]).__name__}) in its "
-                    "structure, settings (attributes such as a head count), parameter shapes or dtypes; the blocks "
-                    "must be identical")
-    state = jax.tree.leaves(nnx.state(blocks[0], nnx.Not(nnx.Param))) if stateless else []
-    if state:
-        return (f"the blocks hold state besides parameters ({type(state[0]).__name__}: RNG streams, batch "
-                "statistics); pipelined blocks are those whose state is their parameters")
-    return None
-
-
-def _signature(module: nnx.Module) -> tuple:
-    """What identical blocks share: the graph (classes, structure, settings such as a head count) and each
-    parameter's shape and dtype."""
-    graphdef, state = nnx.split(module)
-    shapes = [(tuple(np.shape(v)), str(getattr(v, "dtype", type(v).__name__))) for v in jax.tree.leaves(state)]
-    return graphdef, tuple(shapes)
 
 
 def module_key(path: Sequence, *, any_index: bool = False) -> str:

@@ -12,7 +12,12 @@ one small interface:
 - ``context()``: a context manager the module's call runs in (ContextParallel: the attention method of its axis);
 - ``on(mesh)``: the style as it runs on a mesh (``parallelize`` asks once the plan is checked; ContextParallel
   learns its axis size there, for the balanced layout);
-- ``constrains``: whether it changes the module's calls (a module never called cannot take such a style).
+- ``constrains``: whether it changes the module's calls (a module never called cannot take such a style);
+- ``restructure(module, where, mesh)``: how the style rebuilds the module it is matched on (None for most):
+  ``PipelineParallel`` stacks a list of blocks into stages (``jshard.parallel.stages``). The answer gives each
+  parameter inside the module its placements, says which parameters are drawn as one stacked parameter, and
+  installs the module that takes the old one's place, which may carry a ``jshard_step`` that ``TrainStep`` takes
+  its gradients from.
 
 A new style is one subclass overriding what it changes; ``parallelize`` needs no edit. Styles on different
 axes compose: ``[FullyShard("dp"), ColwiseParallel("tp")]`` shards a kernel's rows over ``dp`` and its columns
@@ -54,6 +59,7 @@ from ..darray import DArray
 from ..placements import Placement, Replicate, Shard
 from ..sharded_attention import METHODS, attention_method, balanced
 from .schedule import SCHEDULES
+from .stages import StackedStages, Stages
 
 __all__ = ["ColwiseParallel", "ContextParallel", "DataParallel", "FullyShard", "Layout", "ParallelStyle",
            "PipelineParallel", "RowwiseParallel", "SequenceParallel", "UnplacedParameter", "is_array", "layout",
@@ -111,6 +117,13 @@ class ParallelStyle:
         """A context manager the module's call runs in (its inputs already constrained): settings that reach the
         operations inside, such as the attention method of ``ContextParallel``. By default none."""
         return contextlib.nullcontext()
+
+    def restructure(self, module: nnx.Module, where: str, mesh: Mesh) -> Any:
+        """How the style rebuilds ``module`` (at path ``where``), checked before anything changes: an object with
+        ``placements(path, placements)`` (a parameter's below the module, from the other styles'), ``stacks(paths,
+        placements)`` (``(members, placements)`` of parameters drawn as one stack) and ``install(module)`` (the module
+        that takes its place). None, by default: the style places parameters and constrains calls only."""
+        return None
 
     def on(self, mesh: Mesh) -> ParallelStyle:
         """This style as it runs on ``mesh``, whose axes ``parallelize`` has checked: a style whose behaviour
@@ -336,7 +349,8 @@ class ContextParallel(ParallelStyle):
 
 @dataclass(frozen=True)
 class PipelineParallel(ParallelStyle):
-    """Pipeline parallelism over ``axis``: matched on a list of identical blocks (``"blocks"``), it splits them
+    """Pipeline parallelism over ``axis``: matched on a list of identical blocks (``"blocks"``), or on a module that
+    stacks its layers (built by ``nnx.vmap``, run by ``nnx.scan``), it splits the layers
     into stages along the axis (stage ``s`` of ``p`` holds blocks ``s*L/p ... (s+1)*L/p - 1``; with
     ``virtual_stages=v``, ``v`` chunks per device dealt round-robin), and ``TrainStep`` runs each step as
     ``microbatches`` microbatches flowing stage to stage in ``schedule`` order (``"gpipe"``, ``"1f1b"``,
@@ -365,6 +379,11 @@ class PipelineParallel(ParallelStyle):
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ValueError(f"{self.label}: virtual_stages={self.virtual_stages} needs schedule='interleaved' (the "
                              f"{self.schedule!r} schedule runs one chunk per device)")
+
+    def restructure(self, module, where, mesh):
+        if isinstance(module, nnx.List):
+            return Stages(self, module, where, mesh)
+        return StackedStages(self, module, where, mesh)
 
 
 class Layout(NamedTuple):

@@ -47,9 +47,7 @@ from ..explanation import Explanation
 from ..placements import Replicate
 from ..planner import check_cost_model
 from ..spec import Spec
-from . import stages
 from .parallelize import holds_darray, kind_of, placements_of
-from .stages import find_pipelined
 
 __all__ = ["TrainStep", "check_tx", "init_optimizer", "mirror_placements", "step_function"]
 
@@ -106,17 +104,14 @@ class TrainStep:
         self._flat: tuple | None = None
         # under key 0, the _Hot of the last step: forgotten by jshard.clear_caches(), as the step's programs are
         self._hot = Cache(1)
-        pipelined = find_pipelined(model)
-        if len(pipelined) > 1:
-            raise ValueError(f"TrainStep: the model holds {len(pipelined)} pipelined block lists; a model has one "
-                             "pipeline")
-        if pipelined and jax.tree.leaves(rest):
-            # each microbatch would draw the same dropout masks, step after step: refused rather than wrong
+        hooks = step_hooks(model)
+        if hooks and jax.tree.leaves(rest):
+            # a pipeline's microbatches would draw the same dropout masks, step after step: refused, not wrong
             kind = type(jax.tree.leaves(rest, is_leaf=lambda v: isinstance(v, nnx.Variable))[0]).__name__
-            raise ValueError(f"TrainStep: {type(model).__name__} is pipelined and holds state besides its parameters "
-                             f"({kind}: RNG streams for dropout, batch statistics), which a pipelined step does not "
-                             "carry yet; keep that state out of the model (pass rngs to the layers that draw) or train "
-                             "it without PipelineParallel")
+            raise ValueError(f"TrainStep: {type(model).__name__} takes its step by {hooks[0][1].label} and holds state "
+                             f"besides its parameters ({kind}: RNG streams for dropout, batch statistics), which such "
+                             "a step does not carry yet; keep that state out of the model (pass rngs to the layers "
+                             f"that draw) or train it without {type(hooks[0][1].style).__name__}")
         self._step = step_function(model, tx, loss_fn, donate=donate, cost_model=cost_model)
 
     def __call__(self, *batch) -> DArray:
@@ -227,6 +222,19 @@ class _Hot(NamedTuple):
 _SPEC, _BLOCK = operator.attrgetter("spec"), operator.attrgetter("block")
 
 
+def step_hooks(model: nnx.Module) -> list[tuple[tuple, Any, nnx.Module]]:
+    """The module inside ``model`` that takes the step's loss and gradients itself, as ``(path, hook, module)``:
+    one whose ``jshard_step`` a restructuring style installed (``PipelineParallel``'s ``stages.PipelineStep``,
+    whose ``value_and_grad`` runs the schedule). A model has one at most."""
+    found = [(tuple(path), node.jshard_step, node) for path, node in nnx.iter_graph(model)
+             if isinstance(node, nnx.Module) and getattr(node, "jshard_step", None) is not None]
+    if len(found) > 1:
+        raise ValueError(f"TrainStep: the model takes its step by {len(found)} modules ("
+                         f"{', '.join(h.label + ' at ' + '/'.join(map(str, p)) for p, h, _ in found)}); a model has "
+                         "one pipeline")
+    return found
+
+
 def _tree_and_specs(tree: Any) -> tuple[Any, tuple]:
     leaves, structure = jax.tree.flatten(tree)
     return structure, tuple(getattr(a, "spec", None) for a in leaves)
@@ -244,7 +252,7 @@ def step_function(model: nnx.Module, tx: optax.GradientTransformation, loss_fn: 
     names = next(filter(is_darray, jax.tree.leaves(params, is_leaf=is_darray))).mesh.axis_names
     grad_placements = [dict(zip(names, p, strict=True))
                        for p in jax.tree.leaves(placements_of(params), is_leaf=lambda p: isinstance(p, tuple))]
-    pipelined = find_pipelined(model)
+    hooks = step_hooks(model)
 
     def step(params, opt_state, rest, *batch):
         def loss_of(p):
@@ -255,9 +263,9 @@ def step_function(model: nnx.Module, tx: optax.GradientTransformation, loss_fn: 
             _check_loss(loss, loss_fn)
             return loss, nnx.split(m, nnx.Param, ...)[2]  # state the forward pass updated (RNG counts)
 
-        if pipelined:
-            (loss, rest), grads = stages.value_and_grad(graphdef, loss_fn, params, rest, batch,
-                                                        path=pipelined[0][0], pipelined=pipelined[0][1])
+        if hooks:
+            (path, hook, module), = hooks
+            (loss, rest), grads = hook.value_and_grad(graphdef, loss_fn, params, rest, batch, path=path, module=module)
         else:
             (loss, rest), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
         leaves, tree = jax.tree.flatten(grads)

@@ -16,6 +16,7 @@ from jshard.gpt import GPT, cross_entropy, one_device_trainer, plan, summed_term
 from jshard.parallel import (
     ColwiseParallel,
     FullyShard,
+    PipelineParallel,
     RowwiseParallel,
     SequenceParallel,
     TrainStep,
@@ -175,3 +176,66 @@ def test_autoplan_plans_a_scanned_model():
     for ids, labels in batches(2):
         got = float(step(*(jshard.distribute(a, mesh, tp.batch[i]) for i, a in enumerate((ids, labels)))))
         assert got == pytest.approx(ref(ids, labels), rel=1e-5)
+
+
+def four_layers():
+    return GPT(vocab=V, dim=D, heads=H, layers=4, seq=T, rngs=nnx.Rngs(0), scan=True)
+
+
+@pytest.mark.parametrize("mesh_shape,style,schedule,virtual", [
+    ((2, 4), "pp+tp", "1f1b", 1), ((2, 4), "pp+fsdp", "interleaved", 2), ((1, 8), "pp+tp", "gpipe", 1),
+    ((1,), "pp", "1f1b", 1)])
+def test_a_pipelined_stack_of_layers_trains_like_one_device(mesh_shape, style, schedule, virtual):
+    """PipelineParallel matched on the module nnx.vmap built: its layer dim is split into stages, the model's own
+    nnx.scan is cut into what comes before, the layer and the tail, and the step runs by the schedule."""
+    mesh = make_mesh(mesh_shape)
+    names = mesh.axis_names
+    styles, default = plan(style, pp=names[0], dp=names[-1], tp=names[-1], microbatches=2, schedule=schedule,
+                           virtual_stages=virtual, scan=True)
+    model = parallelize(four_layers, mesh, styles, default=default)
+    kernel = model.blocks.q.kernel.get_value()
+    assert kernel.shape == (4, D, D) and kernel.placements[0] == (Shard(0) if virtual == 1 else StridedShard(0, 2))
+    assert model.blocks.q.kernel.get_value() is kernel  # the stacked module stays where it was, paths unchanged
+    tx = optax.adamw(1e-2, eps=1e-4)
+    step, ref = TrainStep(model, tx, loss_fn), one_device_trainer(four_layers(), tx, loss_fn)
+    data = (R,) * len(mesh_shape) if "fsdp" not in style else (R, Shard(0))
+    losses, want = [], []
+    for ids, labels in batches(3):
+        losses.append(float(step(*(jshard.distribute(a, mesh, data) for a in (ids, labels)))))
+        want.append(ref(ids, labels))
+    n = summed_terms(V, D, 4, T, B, steps=3)
+    assert curve_ratio(losses, want, n_per_step=n // 3) <= 1, (losses, want)
+    got, ref_params = nnx.state(step.model, nnx.Param), ref.params()
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(ref_params), strict=True):
+        assert_close(g.full(), w, n=n * 5, terms=tree_scale(ref_params))
+    if mesh_shape == (2, 4):  # called outside the step, the model runs its scan over the split stack
+        ids = batches(1)[0][0]
+        assert_close(step.model(ids).full(), nnx.merge(nnx.graphdef(four_layers()), ref.params())(ids), n=n * 5)
+
+
+def test_a_pipelined_stack_is_refused_where_its_scan_is_not_a_chain_of_layers():
+    """The scan over the stack must carry the activation alone: a per-layer input (here the batch's mask) or a
+    module that is no stack is refused naming what to change."""
+
+    class Masked(nnx.Module):
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=2)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs):
+                return nnx.Linear(8, 8, rngs=rngs)
+
+            self.layers = make(rngs)
+
+        def __call__(self, x, mask):
+            return nnx.scan(lambda x, layer: layer(x) * mask, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.layers)
+
+    mesh = make_mesh((2, 4))
+    model = parallelize(lambda: Masked(nnx.Rngs(0)), mesh, {"layers": PipelineParallel("dp", microbatches=2)})
+    step = TrainStep(model, optax.sgd(0.1), lambda m, x, mask: jnp.mean(m(x, mask) ** 2))
+    x = jshard.distribute(np.ones((4, 8), np.float32), mesh, (R, R))
+    with pytest.raises(ValueError, match=r"the layers read a value computed from the batch .* a pipelined layer takes "
+                                         r"only the activation it carries"):
+        step(x, x)
+    with pytest.raises(ValueError, match=r"match it on a list of identical blocks .* or on a module stacking its "
+                                         r"layers"):
+        parallelize(lambda: GPT(V, D, H, 2, T, nnx.Rngs(0)), mesh, {"head": PipelineParallel("dp")})
