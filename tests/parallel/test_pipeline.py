@@ -349,5 +349,6 @@ class _Dropping(nnx.Module):
 def test_train_step_refuses_a_pipelined_model_with_state_besides_parameters():
     mesh = jax.make_mesh((2, 4), ("pp", "dp"))
     model = parallelize(lambda: _Dropping(nnx.Rngs(0)), mesh, {"blocks": PipelineParallel("pp", microbatches=2)})
-    with pytest.raises(ValueError, match=r"takes its step by PipelineParallel\(.pp.\) and holds state besides its parameters \(Rng"):
+    with pytest.raises(ValueError, match=r"takes its step by PipelineParallel\(.pp.\) and holds state besides its "
+                                         r"parameters \(Rng"):
         TrainStep(model, optax.sgd(0.1), _mse)

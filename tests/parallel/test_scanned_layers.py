@@ -227,7 +227,8 @@ def test_a_pipelined_stack_is_refused_where_its_scan_is_not_a_chain_of_layers():
             self.layers = make(rngs)
 
         def __call__(self, x, mask):
-            return nnx.scan(lambda x, layer: layer(x) * mask, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.layers)
+            body = nnx.scan(lambda x, layer: layer(x) * mask, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            return body(x, self.layers)
 
     mesh = make_mesh((2, 4))
     model = parallelize(lambda: Masked(nnx.Rngs(0)), mesh, {"layers": PipelineParallel("dp", microbatches=2)})
