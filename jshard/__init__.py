@@ -18,6 +18,7 @@ from .caches import clear_caches
 from .cost import AxisCost, CostModel
 from .darray import DArray, DeletedArrayError, distribute, from_jax, from_local, from_process_local, process_rows
 from .explanation import Explanation
+from .moe import experts
 from .operators import apply
 from .placements import Partial, Placement, PlacementError, Replicate, Shard, StridedShard
 from .planner import Plan, Step, plan_redistribute
@@ -47,6 +48,7 @@ __all__ = [
     "clear_caches",
     "constrain",
     "distribute",
+    "experts",
     "explain",
     "from_jax",
     "from_local",
