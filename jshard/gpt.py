@@ -29,9 +29,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from .moe import experts
 from .parallel.styles import (
     ColwiseParallel,
     ContextParallel,
+    ExpertParallel,
     FullyShard,
     ParallelStyle,
     PipelineParallel,
@@ -41,15 +43,37 @@ from .parallel.styles import (
 from .placements import Replicate, Shard
 from .sharded_attention import attention
 
-__all__ = ["GPT", "cross_entropy", "one_device_trainer", "plan", "summed_terms"]
+__all__ = ["GPT", "MoE", "cross_entropy", "one_device_trainer", "plan", "summed_terms"]
+
+
+class MoE(nnx.Module):
+    """A mixture of ``experts`` gated SiLU MLPs (``jshard.experts``: ``w_up`` / ``w_gate`` ``[E, D, H]``, ``w_down``
+    ``[E, H, D]``), each token to its ``top_k`` experts, routed by a linear ``router`` (softmax over the chosen
+    logits)."""
+
+    def __init__(self, dim: int, experts: int, top_k: int, rngs: nnx.Rngs, hidden: int | None = None):
+        hidden = hidden or 2 * dim
+        init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1,
+                                                 batch_axis=(0,))
+        self.top_k = top_k
+        self.router = nnx.Linear(dim, experts, use_bias=False, rngs=rngs)
+        self.w_up, self.w_gate = (nnx.Param(init(rngs.params(), (experts, dim, hidden))) for _ in range(2))
+        self.w_down = nnx.Param(init(rngs.params(), (experts, hidden, dim)))
+
+    def __call__(self, x):
+        return experts(x, self.router(x), self.w_up[...], self.w_down[...], top_k=self.top_k,
+                       w_gate=self.w_gate[...])
 
 
 class Block(nnx.Module):
-    def __init__(self, dim: int, heads: int, rngs: nnx.Rngs):
+    def __init__(self, dim: int, heads: int, rngs: nnx.Rngs, experts: int | None = None, top_k: int = 2):
         self.heads = heads
         self.ln1, self.ln2 = nnx.LayerNorm(dim, rngs=rngs), nnx.LayerNorm(dim, rngs=rngs)
         self.q, self.k, self.v, self.o = (nnx.Linear(dim, dim, rngs=rngs) for _ in range(4))
-        self.up, self.down = nnx.Linear(dim, 4 * dim, rngs=rngs), nnx.Linear(4 * dim, dim, rngs=rngs)
+        if experts:
+            self.moe = MoE(dim, experts, top_k, rngs)
+        else:
+            self.up, self.down = nnx.Linear(dim, 4 * dim, rngs=rngs), nnx.Linear(4 * dim, dim, rngs=rngs)
 
     def __call__(self, x):
         b, t, d = x.shape
@@ -57,26 +81,29 @@ class Block(nnx.Module):
         q, k, v = (f(h).reshape(b, t, self.heads, d // self.heads) for f in (self.q, self.k, self.v))
         a = attention(q, k, v, is_causal=True).reshape(b, t, d)
         x = x + self.o(a)
+        if hasattr(self, "moe"):
+            return x + self.moe(self.ln2(x))
         return x + self.down(jax.nn.gelu(self.up(self.ln2(x))))
 
 
 class GPT(nnx.Module):
     """``scan=True`` stacks the blocks (one ``Block`` built by ``nnx.vmap``, its parameters ``(layers, ...)``) and runs
-    them with ``nnx.scan``, as deep JAX models keep their compile time flat (MaxText's ``scan_layers``)."""
+    them with ``nnx.scan``, as deep JAX models keep their compile time flat (MaxText's ``scan_layers``).
+    ``experts=E`` gives every block a mixture of ``E`` experts (``MoE``, each token to ``top_k``) for its MLP."""
 
     def __init__(self, vocab: int, dim: int, heads: int, layers: int, seq: int, rngs: nnx.Rngs, *,
-                 scan: bool = False):
+                 scan: bool = False, experts: int | None = None, top_k: int = 2):
         self.tok, self.pos = nnx.Embed(vocab, dim, rngs=rngs), nnx.Embed(seq, dim, rngs=rngs)
         self.scan = scan
         if scan:
             @nnx.split_rngs(splits=layers)
             @nnx.vmap(in_axes=(0,), out_axes=0)
             def stacked(rngs):
-                return Block(dim, heads, rngs)
+                return Block(dim, heads, rngs, experts, top_k)
 
             self.blocks = stacked(rngs)
         else:
-            self.blocks = nnx.List([Block(dim, heads, rngs) for _ in range(layers)])
+            self.blocks = nnx.List([Block(dim, heads, rngs, experts, top_k) for _ in range(layers)])
         self.ln = nnx.LayerNorm(dim, rngs=rngs)
         self.head = nnx.Linear(dim, vocab, rngs=rngs)
 
@@ -116,7 +143,7 @@ def summed_terms(vocab: int, dim: int, layers: int, seq: int, batch: int, *, ste
 
 def plan(style: str, dp: str = "dp", tp: str = "tp", cp: str = "cp", method: str = "auto", pp: str = "pp",
          microbatches: int = 4, schedule: str = "1f1b", virtual_stages: int = 1, *,
-         scan: bool = False) -> tuple[dict, tuple]:
+         scan: bool = False, ep: str = "ep", experts: bool | None = None) -> tuple[dict, tuple]:
     """``(plan, default)`` for ``parallelize`` in one of the styles ``tp``, ``sp``, ``fsdp``, ``dp``, ``cp``,
     ``pp``, or a ``+``-joined combination of them with at most one of ``dp`` / ``fsdp`` (the data axis ``dp``) and
     at most one of ``tp`` / ``sp`` (the tensor axis ``tp``), in any order: ``"dp+cp"``, ``"cp+tp"``, ``"fsdp+cp+tp"``.
@@ -125,7 +152,10 @@ def plan(style: str, dp: str = "dp", tp: str = "tp", cp: str = "cp", method: str
     the caller), so ``"dp+cp"`` is ``"cp"`` with the batch on ``dp``. ``pp`` is pipeline parallelism on axis
     ``pp`` (``PipelineParallel`` on the blocks, with ``microbatches``, ``schedule`` and ``virtual_stages``).
     ``scan=True``: the plan of ``GPT(..., scan=True)``, whose stacked blocks are one module (``blocks/q``, not
-    ``blocks/*/q``); each style places a stacked parameter as it places one layer's.
+    ``blocks/*/q``); each style places a stacked parameter as it places one layer's. ``ep`` is expert parallelism
+    on axis ``ep`` (``ExpertParallel`` on every block's ``moe``; the axis may also be the data axis, ``ep="dp"``);
+    ``experts`` says the model's blocks hold mixtures of experts (``GPT(..., experts=E)``; by default, when the
+    style has ``ep``), whose expert weights tensor parallelism leaves whole.
 
     >>> plan("tp")[0]["blocks/*/o"]
     RowwiseParallel(axis='tp', input=None, output=R)
@@ -133,21 +163,26 @@ def plan(style: str, dp: str = "dp", tp: str = "tp", cp: str = "cp", method: str
     ('ring', (FullyShard(axis='dp', input=None, output=None, dim=0),))
     >>> plan("pp+tp", microbatches=8)[0]["blocks"].microbatches
     8
+    >>> plan("dp+ep")[0]
+    {'blocks/*/moe': ExpertParallel(axis='ep', input=None, output=None, experts=None)}
     """
     parts = style.split("+") if isinstance(style, str) else []
-    known = ("tp", "sp", "fsdp", "dp", "cp", "pp")
+    known = ("tp", "sp", "fsdp", "dp", "cp", "pp", "ep")
     clash = [pair for pair in (("dp", "fsdp"), ("tp", "sp")) if set(pair) <= set(parts)]
     if not parts or any(p not in known for p in parts) or len(set(parts)) != len(parts) or clash:
         why = f" ({' and '.join(clash[0])} both use one axis)" if clash else ""
         raise ValueError(f"plan: style {style!r} is not one of {', '.join(map(repr, known))} or a '+'-joined "
                          f"combination with at most one of 'dp'/'fsdp' and one of 'tp'/'sp'{why}, such as 'dp+cp', "
-                         "'cp+tp', 'fsdp+cp+tp', 'fsdp+tp', 'pp+dp+tp'")
+                         "'cp+tp', 'fsdp+cp+tp', 'fsdp+tp', 'pp+dp+tp', 'dp+ep'")
     if method != "auto" and "cp" not in parts:
         raise ValueError(f"plan: method={method!r} is how context parallelism crosses its axis, and style {style!r} "
                          "has none; add 'cp' to the style (say 'dp+cp') or leave method='auto'")
     styles: dict = {}
+    blocks = "blocks" if scan else "blocks/*"
     if "tp" in parts or "sp" in parts:
-        styles.update(_tensor_parallel(tp, "sp" in parts, "blocks" if scan else "blocks/*"))
+        styles.update(_tensor_parallel(tp, "sp" in parts, blocks, "ep" in parts if experts is None else experts))
+    if "ep" in parts:
+        styles[f"{blocks}/moe"] = ExpertParallel(ep)
     if "cp" in parts:
         # the model's ids in, its logits out: sequence-sharded on cp, every attention inside crossing cp by method
         styles[""] = ContextParallel(cp, method=method)
@@ -184,11 +219,13 @@ def one_device_trainer(model: nnx.Module, tx: optax.GradientTransformation, loss
     return step
 
 
-def _tensor_parallel(tp: str, sp: bool, blocks: str) -> dict:
-    """Megatron's plan on ``tp``, with sequence parallelism's norms where ``sp``; ``blocks`` matches every block."""
+def _tensor_parallel(tp: str, sp: bool, blocks: str, experts: bool) -> dict:
+    """Megatron's plan on ``tp``, with sequence parallelism's norms where ``sp``; ``blocks`` matches every block (its
+    MLP a mixture of experts where ``experts``, left whole)."""
     row = RowwiseParallel(tp, output=Shard(1) if sp else RowwiseParallel.output)
-    styles = {**{f"{blocks}/{name}": ColwiseParallel(tp) for name in ("q", "k", "v", "up")},
-              f"{blocks}/o": row, f"{blocks}/down": row,
+    mlp = {} if experts else {f"{blocks}/up": ColwiseParallel(tp), f"{blocks}/down": row}
+    styles = {**{f"{blocks}/{name}": ColwiseParallel(tp) for name in ("q", "k", "v")}, **mlp,
+              f"{blocks}/o": row,
               "head": ColwiseParallel(tp),
               # the vocabulary-parallel embedding (torchtitan's and Megatron's): the table, the largest parameter
               # of a small GPT, is split on tp; each device looks up the ids it owns and one reduction joins them

@@ -2,8 +2,8 @@
 
 ``parallelize(model, mesh, plan)`` turns parameters into DArrays placed by parallel styles
 (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``, ``DataParallel``, ``FullyShard``,
-``ContextParallel``, ``PipelineParallel``, or a ``ParallelStyle`` subclass of your own: a style carries its
-whole behaviour, see ``styles``), placing Flax's own layers by what their dims mean (``layout``);
+``ContextParallel``, ``ExpertParallel``, ``PipelineParallel``, or a ``ParallelStyle`` subclass of your own: a
+style carries its whole behaviour, see ``styles``), placing Flax's own layers by what their dims mean (``layout``);
 ``TrainStep`` runs ``jshard.jit`` training steps that keep parameters and optimizer state where they are (a
 pipelined model's step by its schedule: ``stages``, ``pipeline``, ``schedule``).
 """
@@ -15,6 +15,7 @@ from .styles import (
     ColwiseParallel,
     ContextParallel,
     DataParallel,
+    ExpertParallel,
     FullyShard,
     Layout,
     ParallelStyle,
@@ -27,6 +28,7 @@ from .styles import (
 )
 from .training import TrainStep, init_optimizer
 
-__all__ = ["ColwiseParallel", "ContextParallel", "DataParallel", "FullyShard", "Layout", "Memory", "ParallelStyle",
-           "PipelineParallel", "Plan", "RowwiseParallel", "SequenceParallel", "TrainStep", "UnplacedParameter",
-           "autoplan", "init_optimizer", "layout", "parallelize", "placements_of", "style_classes"]
+__all__ = ["ColwiseParallel", "ContextParallel", "DataParallel", "ExpertParallel", "FullyShard", "Layout", "Memory",
+           "ParallelStyle", "PipelineParallel", "Plan", "RowwiseParallel", "SequenceParallel", "TrainStep",
+           "UnplacedParameter", "autoplan", "init_optimizer", "layout", "parallelize", "placements_of",
+           "style_classes"]

@@ -56,14 +56,15 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from ..darray import DArray
+from ..moe import expert_axes
 from ..placements import Placement, Replicate, Shard
 from ..sharded_attention import METHODS, attention_method, balanced
 from .schedule import SCHEDULES
 from .stages import StackedStages, Stages
 
-__all__ = ["ColwiseParallel", "ContextParallel", "DataParallel", "FullyShard", "Layout", "ParallelStyle",
-           "PipelineParallel", "RowwiseParallel", "SequenceParallel", "UnplacedParameter", "is_array", "layout",
-           "stack_depth", "style_classes"]
+__all__ = ["ColwiseParallel", "ContextParallel", "DataParallel", "ExpertParallel", "FullyShard", "Layout",
+           "ParallelStyle", "PipelineParallel", "RowwiseParallel", "SequenceParallel", "UnplacedParameter", "is_array",
+           "layout", "stack_depth", "style_classes"]
 
 R = Replicate()
 
@@ -345,6 +346,52 @@ class ContextParallel(ParallelStyle):
                              f"shard over mesh axis {self.axis!r}; context parallelism needs [batch, seq, ...] "
                              "arrays: match ContextParallel on a module that takes them, or add the batch dim")
         return self.sequence(int(np.shape(a)[1]), self.size)
+
+
+@dataclass(frozen=True)
+class ExpertParallel(ParallelStyle):
+    """Expert parallelism over ``axis``: matched on a mixture-of-experts module, it places the module's own
+    parameters whose leading dim is the expert count (``experts``, or read from its parameters of rank 3, ``[E, D,
+    H]``) ``Shard(0)`` on the axis, each device holding ``E / size`` experts, and keeps them there while the module
+    runs: its ``jshard.experts`` sends the tokens to their experts' devices (``jshard.moe``), never the experts to the
+    tokens. The module's other parameters (the router, inside it) are placed as the other styles say, else
+    replicated. The axis may be one of its own or the one sharding the batch (expert ranks drawn from data-parallel
+    ones, as torchtitan and MaxText do); other styles on other axes compose with it (``FullyShard`` over the rest).
+
+    >>> import numpy as np
+    >>> from flax import nnx
+    >>> class MoE(nnx.Module):
+    ...     def __init__(self):
+    ...         self.w_up, self.w_down = nnx.Param(np.zeros((8, 4, 16))), nnx.Param(np.zeros((8, 16, 4)))
+    >>> ExpertParallel("ep").param(MoE(), "w_up", (8, 4, 16))
+    S(0)
+    """
+
+    axis: str = "ep"
+    experts: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        e = self.experts
+        if e is not None and (not isinstance(e, int) or isinstance(e, bool) or e < 1):
+            raise ValueError(f"{self.label}: experts must be the expert count (an int >= 1) or None (read from the "
+                             f"module's parameters), got {e!r}")
+
+    def param(self, module, name, shape):
+        count = self.experts if self.experts is not None else self._count(module, name, shape)
+        return Shard(0) if len(shape) >= 2 and shape[0] == count else R
+
+    def context(self):
+        return expert_axes(self.axis)
+
+    def _count(self, module, name, shape) -> int:
+        leading = {np.shape(v.get_value())[0] for v in vars(module).values()
+                   if isinstance(v, nnx.Param) and np.ndim(v.get_value()) == 3}
+        if len(leading) != 1:
+            raise self.refuse(module, name, shape, f"it reads the expert count from the module's own parameters of "
+                                                   f"rank 3 ([E, D, H]), whose leading dims are {sorted(leading)}; "
+                                                   "pass experts=E")
+        return leading.pop()
 
 
 @dataclass(frozen=True)
