@@ -1,0 +1,95 @@
+"""Expert parallelism: ``ExpertParallel`` places a mixture's expert weights ``Shard(0)`` on its axis and keeps them
+there while the mixture runs (the tokens travel to the experts by all-to-all, the weights never move); composed with
+data parallelism (on an axis of its own, or on the batch's axis), FSDP over the rest, tensor parallelism and a
+pipeline, a mixture-of-experts GPT trains like one device on 8, 2x4, 1x8 and one device."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jshard
+from conftest import make_mesh
+from jshard import Replicate, Shard
+from jshard.gpt import GPT, cross_entropy, one_device_trainer, plan, summed_terms
+from jshard.parallel import ExpertParallel, TrainStep, UnplacedParameter, parallelize, placements_of
+from jshard.validate.tolerance import curve_ratio
+from oracle import assert_close, tree_scale
+
+R = Replicate()
+V, D, H, L, T, B, E = 64, 32, 4, 2, 16, 8, 8
+N = summed_terms(V, D, L, T, B, steps=3)
+
+
+def moe_gpt():
+    return GPT(vocab=V, dim=D, heads=H, layers=L, seq=T, rngs=nnx.Rngs(0), experts=E, top_k=2)
+
+
+def loss_fn(model, ids, labels):
+    return cross_entropy(model(ids), labels)
+
+
+def batches(n):
+    rng = np.random.default_rng(0)
+    return [(ids := rng.integers(0, V, (B, T)).astype(np.int32), np.roll(ids, -1, 1)) for _ in range(n)]
+
+
+def test_the_experts_are_sharded_and_stay_where_they_are():
+    mesh = make_mesh((2, 4))
+    styles, default = plan("dp+ep", ep="tp")
+    model = parallelize(moe_gpt, mesh, styles, default=default)
+    moe = model.blocks[0].moe
+    assert moe.w_up.get_value().placements == (R, Shard(0)) and moe.w_down.get_value().placements == (R, Shard(0))
+    assert moe.router.kernel.get_value().placements == (R, R)  # the router as the other styles say: replicated
+    assert moe.w_up.get_value().spec.local_block_shape == (E // 4, D, 2 * D)  # a quarter of the experts a device
+    step = TrainStep(model, optax.sgd(0.1), loss_fn)
+    ex = step.explain(*(jshard.distribute(a, mesh, (Shard(0), Shard(0))) for a in batches(1)[0]))
+    experts = {tuple(v.get_value().shape) for v in (moe.w_up, moe.w_gate, moe.w_down)}
+    moved = [(r["ins"][m[0]].shape, m[1]) for r in ex.rows for m in r["moves"]]
+    # no expert weight is ever gathered (their gradients are summed over dp, where they are replicated)
+    assert not [m for m in moved if tuple(m[0]) in experts and m[1] != "all_reduce"], moved
+    assert ex.totals["all_to_all"][0] >= 2 * 3 * L  # a round's three out and home, forward and backward, a block
+
+
+@pytest.mark.parametrize("shape,style,axes,data", [
+    ((8,), "ep", dict(ep="x"), (Shard(0),)),                      # experts on the batch's axis
+    ((2, 4), "dp+ep", dict(ep="tp"), (Shard(0), Shard(0))),       # an axis of their own, the batch on both
+    ((2, 4), "fsdp+ep", dict(ep="tp"), (Shard(0), Shard(0))),     # FSDP over the rest
+    ((2, 4), "ep+tp", dict(ep="dp"), (Shard(0), R)),              # tensor parallelism beside them
+    ((2, 4), "pp+ep", dict(pp="dp", ep="tp", microbatches=2), (R, Shard(0))),  # inside pipeline stages
+    ((1, 8), "dp+ep", dict(ep="tp"), (Shard(0), Shard(0))),
+    ((1,), "ep", dict(ep="x"), (R,)),
+], ids=["ep8", "dp2xep4", "fsdp2xep4", "ep2xtp4", "pp2xep4", "dp1xep8", "one-device"])
+def test_a_mixture_of_experts_gpt_trains_like_one_device(shape, style, axes, data):
+    mesh = make_mesh(shape)
+    styles, default = plan(style, **axes)
+    model = parallelize(moe_gpt, mesh, styles, default=default)
+    before = placements_of(nnx.state(model, nnx.Param))
+    tx = optax.adamw(1e-2, eps=1e-4)
+    step, ref = TrainStep(model, tx, loss_fn), one_device_trainer(moe_gpt(), tx, loss_fn)
+    losses, want = [], []
+    for ids, labels in batches(3):
+        losses.append(float(step(*(jshard.distribute(a, mesh, data) for a in (ids, labels)))))
+        want.append(ref(ids, labels))
+    assert curve_ratio(losses, want, n_per_step=N // 3) <= 1, (losses, want)
+    assert placements_of(nnx.state(step.model, nnx.Param)) == before
+    got, ref_params = nnx.state(step.model, nnx.Param), ref.params()
+    if "pp" in style:  # a pipeline holds the blocks stacked: block i is slice i
+        blocks = ref_params["blocks"]
+        ref_params["blocks"] = {"layers": jax.tree.map(lambda *b: np.stack(b), *(blocks[i] for i in range(L)))}
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(ref_params), strict=True):
+        assert_close(g.full(), w, n=N * 5, terms=tree_scale(ref_params))
+
+
+def test_expert_parallel_reads_the_expert_count_or_asks_for_it():
+    class Odd(nnx.Module):
+        def __init__(self):
+            self.w_up, self.w_down = nnx.Param(np.zeros((8, 4, 6))), nnx.Param(np.zeros((6, 8, 4)))
+
+    with pytest.raises(UnplacedParameter, match=r"leading dims are \[6, 8\]; pass experts=E"):
+        ExpertParallel("ep").param(Odd(), "w_up", (8, 4, 6))
+    assert ExpertParallel("ep", experts=8).param(Odd(), "w_up", (8, 4, 6)) == Shard(0)
+    assert ExpertParallel("ep", experts=8).param(Odd(), "w_down", (6, 8, 4)) == R
+    with pytest.raises(ValueError, match=r"experts must be the expert count"):
+        ExpertParallel("ep", experts=0)
