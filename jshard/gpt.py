@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from .moe import experts
+from .moe import balance_bias, experts
 from .parallel.styles import (
     ColwiseParallel,
     ContextParallel,
@@ -43,35 +43,50 @@ from .parallel.styles import (
 from .placements import Replicate, Shard
 from .sharded_attention import attention
 
-__all__ = ["GPT", "MoE", "cross_entropy", "one_device_trainer", "plan", "summed_terms"]
+__all__ = ["GPT", "Balance", "MoE", "cross_entropy", "one_device_trainer", "plan", "summed_terms"]
 
 
 class MoE(nnx.Module):
     """A mixture of ``experts`` gated SiLU MLPs (``jshard.experts``: ``w_up`` / ``w_gate`` ``[E, D, H]``, ``w_down``
     ``[E, H, D]``), each token to its ``top_k`` experts, routed by a linear ``router`` (softmax over the chosen
-    logits)."""
+    logits). ``balance=rate`` balances the load as DeepSeek-V3 does, without an auxiliary loss: a routing ``bias``
+    (a ``Balance`` variable, not a parameter) that only chooses, moved by ``rate`` after every call
+    (``jshard.moe.balance_bias``), and the tokens each expert took in the last call kept in ``load``."""
 
-    def __init__(self, dim: int, experts: int, top_k: int, rngs: nnx.Rngs, hidden: int | None = None):
+    def __init__(self, dim: int, experts: int, top_k: int, rngs: nnx.Rngs, hidden: int | None = None,
+                 balance: float | None = None):
         hidden = hidden or 2 * dim
         init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1,
                                                  batch_axis=(0,))
-        self.top_k = top_k
+        self.top_k, self.balance = top_k, balance
         self.router = nnx.Linear(dim, experts, use_bias=False, rngs=rngs)
         self.w_up, self.w_gate = (nnx.Param(init(rngs.params(), (experts, dim, hidden))) for _ in range(2))
         self.w_down = nnx.Param(init(rngs.params(), (experts, hidden, dim)))
+        if balance is not None:
+            self.bias, self.load = Balance(jnp.zeros(experts)), Balance(jnp.zeros(experts, jnp.int32))
 
     def __call__(self, x):
-        return experts(x, self.router(x), self.w_up[...], self.w_down[...], top_k=self.top_k,
-                       w_gate=self.w_gate[...])
+        args = (x, self.router(x), self.w_up[...], self.w_down[...])
+        if self.balance is None:
+            return experts(*args, top_k=self.top_k, w_gate=self.w_gate[...])
+        out, load = experts(*args, top_k=self.top_k, w_gate=self.w_gate[...], bias=self.bias[...], return_load=True)
+        self.bias[...] = balance_bias(self.bias[...], load, self.balance)
+        self.load[...] = load
+        return out
+
+
+class Balance(nnx.Variable):
+    """A mixture's balancing state (its routing bias and last load): carried by ``TrainStep``, never trained."""
 
 
 class Block(nnx.Module):
-    def __init__(self, dim: int, heads: int, rngs: nnx.Rngs, experts: int | None = None, top_k: int = 2):
+    def __init__(self, dim: int, heads: int, rngs: nnx.Rngs, experts: int | None = None, top_k: int = 2,
+                 balance: float | None = None):
         self.heads = heads
         self.ln1, self.ln2 = nnx.LayerNorm(dim, rngs=rngs), nnx.LayerNorm(dim, rngs=rngs)
         self.q, self.k, self.v, self.o = (nnx.Linear(dim, dim, rngs=rngs) for _ in range(4))
         if experts:
-            self.moe = MoE(dim, experts, top_k, rngs)
+            self.moe = MoE(dim, experts, top_k, rngs, balance=balance)
         else:
             self.up, self.down = nnx.Linear(dim, 4 * dim, rngs=rngs), nnx.Linear(4 * dim, dim, rngs=rngs)
 
@@ -89,21 +104,22 @@ class Block(nnx.Module):
 class GPT(nnx.Module):
     """``scan=True`` stacks the blocks (one ``Block`` built by ``nnx.vmap``, its parameters ``(layers, ...)``) and runs
     them with ``nnx.scan``, as deep JAX models keep their compile time flat (MaxText's ``scan_layers``).
-    ``experts=E`` gives every block a mixture of ``E`` experts (``MoE``, each token to ``top_k``) for its MLP."""
+    ``experts=E`` gives every block a mixture of ``E`` experts (``MoE``, each token to ``top_k``, balanced by
+    ``balance``) for its MLP."""
 
     def __init__(self, vocab: int, dim: int, heads: int, layers: int, seq: int, rngs: nnx.Rngs, *,
-                 scan: bool = False, experts: int | None = None, top_k: int = 2):
+                 scan: bool = False, experts: int | None = None, top_k: int = 2, balance: float | None = None):
         self.tok, self.pos = nnx.Embed(vocab, dim, rngs=rngs), nnx.Embed(seq, dim, rngs=rngs)
         self.scan = scan
         if scan:
             @nnx.split_rngs(splits=layers)
             @nnx.vmap(in_axes=(0,), out_axes=0)
             def stacked(rngs):
-                return Block(dim, heads, rngs, experts, top_k)
+                return Block(dim, heads, rngs, experts, top_k, balance)
 
             self.blocks = stacked(rngs)
         else:
-            self.blocks = nnx.List([Block(dim, heads, rngs, experts, top_k) for _ in range(layers)])
+            self.blocks = nnx.List([Block(dim, heads, rngs, experts, top_k, balance) for _ in range(layers)])
         self.ln = nnx.LayerNorm(dim, rngs=rngs)
         self.head = nnx.Linear(dim, vocab, rngs=rngs)
 

@@ -64,7 +64,7 @@ from .rules.registry import ShardPlaceholder
 if TYPE_CHECKING:
     from .spec import Spec
 
-__all__ = ["ROUTERS", "expert_axes", "experts", "route"]
+__all__ = ["ROUTERS", "balance_bias", "balance_loss", "expert_axes", "experts", "imbalance", "route"]
 
 ROUTERS = ("softmax", "sigmoid")
 
@@ -153,6 +153,46 @@ def route(router_logits: ArrayLike, top_k: int, *, router: str = "softmax",
         s = jax.nn.sigmoid(chosen)
         weights = s / jnp.sum(s, axis=-1, keepdims=True)
     return idx, weights
+
+
+def balance_loss(router_logits: ArrayLike, top_k: int) -> jax.Array:
+    """Switch Transformer's load-balancing loss, ``E * sum_e f_e * p_e``: ``f_e`` the fraction of token copies
+    routed to expert ``e`` (of ``T * top_k``), ``p_e`` the mean router probability (softmax over all ``E``) of
+    ``e``. 1 when balanced, ``E`` when every token goes to one expert; add it to the loss with a small weight
+    (Switch's 0.01).
+
+    >>> import numpy as np
+    >>> float(balance_loss(np.zeros((8, 4)), 1))  # uniform probabilities, ties all to expert 0
+    1.0
+    """
+    logits = jnp.asarray(router_logits)
+    e = logits.shape[-1]
+    logits = logits.reshape(-1, e)
+    idx, _ = route(logits, top_k)
+    fraction = jnp.mean(jnp.sum(idx[..., None] == jnp.arange(e), axis=1), axis=0) / top_k
+    return e * jnp.sum(lax.stop_gradient(fraction) * jnp.mean(jax.nn.softmax(logits, axis=-1), axis=0))
+
+
+def balance_bias(bias: ArrayLike, load: ArrayLike, rate: float = 1e-3) -> jax.Array:
+    """DeepSeek-V3's auxiliary-loss-free balancing: each expert's routing bias moves by ``rate`` towards the mean
+    load, up where the expert took fewer tokens than the mean, down where it took more (the sign rule). ``load`` is
+    ``experts(..., return_load=True)``'s.
+
+    >>> balance_bias(np.zeros(3, np.float32), np.array([6, 2, 1]), rate=0.5).tolist()
+    [-0.5, 0.5, 0.5]
+    """
+    load = jnp.asarray(load, jnp.float32)
+    return jnp.asarray(bias) + rate * jnp.sign(jnp.mean(load) - load).astype(jnp.asarray(bias).dtype)
+
+
+def imbalance(load: ArrayLike) -> float:
+    """The load imbalance, the most tokens an expert took over the mean (1.0: balanced).
+
+    >>> imbalance([6, 2, 1, 3])
+    2.0
+    """
+    load = np.asarray(load, np.float64)
+    return float(load.max() / load.mean()) if load.mean() > 0 else 1.0
 
 
 # ---------------------------------------------------------------------------------------------------
