@@ -31,6 +31,12 @@ it); the microbatches cut the batch of 8 rows. With ``--processes`` the first me
 ``pp`` first (``--mesh pp=2,dp=4``) each process holds its own stages. A pipelined run's checkpoint resumes under any
 other pipeline (mesh, schedule, styles beside it) with the same ``--layers``.
 
+With expert parallelism (``--style ep``, ``dp+ep``, ``fsdp+ep``, ``ep+tp``, ``pp+ep``) every block's MLP is a mixture
+of 8 experts (2 a token, ``jshard.experts``) spread over the mesh axis named ``ep`` (the default mesh gives it 4
+devices beside 2 of the other axis, or 8 alone), the tokens sharded over it too and sent to their experts by
+all-to-all; the load imbalance (the most tokens an expert took over the mean) is printed as it trains, the routing
+bias balancing it (DeepSeek-V3's rule; not inside a pipeline yet).
+
 With ``--style auto`` the plan is ``jshard.parallel.autoplan``'s: every assignment of its roles (data, fully sharded
 data, tensor, sequence, context, pipeline parallelism: ``jshard.parallel.search.ROLES``) to the mesh axes is priced
 on the demo's own training step, and the fastest whose predicted memory per device fits ``--memory-budget`` (when given)
@@ -98,10 +104,16 @@ def default_mesh(style: str) -> str:
     ('pp=2,dp=2,tp=2', 'pp=2,tp=4', 'pp=2,dp=4', 'pp=8')
     >>> default_mesh("auto")  # the plan gives the axes their roles: their names say none
     'a=2,b=4'
+    >>> default_mesh("ep"), default_mesh("dp+ep"), default_mesh("pp+ep"), default_mesh("ep+tp")
+    ('ep=8', 'dp=2,ep=4', 'pp=2,ep=4', 'tp=2,ep=4')
     """
     if style == "auto":
         return "a=2,b=4"
     parts = set(style.split("+"))
+    if "ep" in parts and "cp" not in parts:  # the experts over 4 devices (8 alone), beside 2 of the other axis
+        other = next((name for name, kinds in (("pp", {"pp"}), ("dp", {"dp", "fsdp"}), ("tp", {"tp", "sp"}))
+                      if parts & kinds), None)
+        return "ep=8" if other is None else f"{other}=2,ep=4"
     if "pp" in parts:
         others = [name for name, kinds in (("dp", {"dp", "fsdp"}), ("cp", {"cp"}), ("tp", {"tp", "sp"}))
                   if parts & kinds]
@@ -129,15 +141,17 @@ def roles(style: str, names: tuple[str, ...]) -> dict[str, str | None]:
     {'dp': 'dp', 'tp': 'tp', 'cp': None, 'pp': 'pp'}
     >>> roles("auto", ("dp", "tp"))  # autoplan assigns them
     {'dp': None, 'tp': None, 'cp': None, 'pp': None}
+    >>> roles("dp+ep", ("dp", "ep"))
+    {'dp': 'dp', 'tp': None, 'cp': None, 'pp': None, 'ep': 'ep'}
     """
     if style == "auto":
         return {"dp": None, "tp": None, "cp": None, "pp": None}
     parts = set(style.split("+"))
     named = {}
-    for role, example in (("cp", "dp=2,cp=4"), ("pp", "pp=2,dp=2,tp=2")):
+    for role, example in (("cp", "dp=2,cp=4"), ("pp", "pp=2,dp=2,tp=2"), ("ep", "dp=2,ep=4")):
         named[role] = role if role in parts else None
         if named[role] is not None and role not in names:
-            what = "the sequence" if role == "cp" else "the blocks into stages"
+            what = {"cp": "the sequence", "pp": "the blocks into stages", "ep": "the experts"}[role]
             raise SystemExit(f"--style {style!r} splits {what} over the mesh axis named {role!r}, and --mesh has "
                              f"{', '.join(names)}; add one, like --mesh {example}")
     others = [n for n in names if n not in named.values()]
@@ -146,6 +160,8 @@ def roles(style: str, names: tuple[str, ...]) -> dict[str, str | None]:
         beside = " and ".join(repr(n) for n in named.values() if n)
         raise SystemExit(f"--style {style!r} needs a tensor axis beside {beside}; add one, like --mesh "
                          f"{'cp=2,tp=4' if named['cp'] else 'pp=2,tp=4'}")
+    if named["ep"] is None:
+        del named["ep"]
     return {"dp": others[0] if others else None, "tp": tp, **named}
 
 
@@ -183,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                          "data axis (default: dp=2,tp=4, or for a style with cp its sequence over 8 devices; with "
                          "--style auto the plan gives each axis its role, default a=2,b=4)")
     ap.add_argument("--style", default="tp",
-                    help="tp, sp, fsdp, dp, cp, or a '+'-joined combination: dp+cp, cp+tp, fsdp+cp+tp, ...; auto: "
+                    help="tp, sp, fsdp, dp, cp, pp, ep, or a '+'-joined combination: dp+cp, cp+tp, fsdp+cp+tp, "
+                         "dp+ep, ...; auto: "
                          "the plan autoplan finds (default mesh a=2,b=4)")
     ap.add_argument("--method", default="auto",
                     help="how attention crosses the context axis: ring, all_gather, all_to_all or auto (the cost model "
@@ -247,8 +264,12 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout = open(os.devnull, "w")
     where = f"{jax.process_count()} processes, " if jax.process_count() > 1 else ""
 
+    # with expert parallelism, every block's MLP a mixture of 8 experts (2 a token), balanced by its routing bias
+    # (state a pipeline does not carry yet: a pipelined mixture is left unbalanced)
+    moe = dict(experts=8, top_k=2, balance=None if axes["pp"] else 1e-2) if axes.get("ep") else {}
+
     def make():
-        return GPT(vocab, dim, heads, layers, seq, rngs=nnx.Rngs(0))
+        return GPT(vocab, dim, heads, layers, seq, rngs=nnx.Rngs(0), **moe)
 
     def loss_fn(model, ids, labels):
         return cross_entropy(model(ids), labels)
@@ -302,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     # the batch over the data axis; with context parallelism the sequence over cp, in the model's own layout; under
     # autoplan, as its plan says (ids and labels alike)
     layout = {axes["dp"]: Shard(0)} if axes["dp"] else {}
+    if axes.get("ep"):  # the tokens over the experts' axis too: each device sends its own to their experts
+        layout[axes["ep"]] = Shard(0)
     if axes["cp"]:
         layout[axes["cp"]] = styles[""].sequence(seq, mesh.shape[axes["cp"]])
     data_axes = tuple(layout.get(a, Replicate()) for a in names)
@@ -343,8 +366,9 @@ def main(argv: list[str] | None = None) -> int:
             manager.save(step + 1, args=jshard.checkpoint.Save(train.state), force=step + 1 == args.steps)
         done = (step + 1) / args.steps
         bar = "#" * int(30 * done) + "." * (30 - int(30 * done))
-        print(f"\r[{bar}] step {step + 1:>3}/{args.steps}  loss {ours[-1]:.4f}  one device {theirs[-1]:.4f}  "
-              f"({time.perf_counter() - t0:.1f} s)", end="", flush=True)
+        balance = f"  imbalance {_imbalance(train.model):.2f}" if moe.get("balance") else ""
+        print(f"\r[{bar}] step {step + 1:>3}/{args.steps}  loss {ours[-1]:.4f}  one device {theirs[-1]:.4f}"
+              f"{balance}  ({time.perf_counter() - t0:.1f} s)", end="", flush=True)
     print("\n")
     if manager is not None:
         manager.wait_until_finished()
@@ -358,6 +382,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"loss {ours[0]:.4f} -> {ours[-1]:.4f} (log vocab = {np.log(vocab):.4f}); largest relative difference "
           f"from one device: {worst:.1e}, {ratio:.2f} of the rounding bound -> {'OK' if ratio <= 1 else 'MISMATCH'}")
     return 0 if ratio <= 1 else 1
+
+
+def _imbalance(model) -> float:
+    """The mixtures' load imbalance in the last step: the most tokens an expert took over the mean, the worst
+    block's."""
+    import numpy as np
+
+    from jshard.moe import imbalance
+
+    return max(imbalance(np.asarray(block.moe.load.get_value().full())) for block in model.blocks)
 
 
 def _auto(args) -> int | None:

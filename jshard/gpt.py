@@ -210,7 +210,8 @@ def plan(style: str, dp: str = "dp", tp: str = "tp", cp: str = "cp", method: str
 
 def one_device_trainer(model: nnx.Module, tx: optax.GradientTransformation, loss_fn):
     """The same training with plain ``jax.jit`` on one device (the reference the demo and the notebooks
-    compare with): returns ``step(*batch) -> loss`` as a float; ``step.params()`` are the parameters so far.
+    compare with): returns ``step(*batch) -> loss`` as a float; ``step.params()`` are the parameters so far,
+    ``step.model()`` the model.
 
     >>> step = one_device_trainer(GPT(32, 16, 2, 1, 8, rngs=nnx.Rngs(0)), optax.sgd(0.1),
     ...                           lambda m, ids: cross_entropy(m(ids), ids))
@@ -219,19 +220,24 @@ def one_device_trainer(model: nnx.Module, tx: optax.GradientTransformation, loss
     True
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    state = [params, tx.init(params)]
+    state = [params, tx.init(params), rest]
 
     @jax.jit
-    def update(params, opt_state, *batch):
-        loss, g = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest), *batch))(params)
+    def update(params, opt_state, rest, *batch):
+        def loss_of(p):  # the state the forward pass updates (a mixture's balancing bias) carried, as TrainStep does
+            m = nnx.merge(graphdef, p, rest, copy=True)
+            return loss_fn(m, *batch), nnx.split(m, nnx.Param, ...)[2]
+
+        (loss, rest), g = jax.value_and_grad(loss_of, has_aux=True)(params)
         updates, opt_state = tx.update(g, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return optax.apply_updates(params, updates), opt_state, rest, loss
 
     def step(*batch) -> float:
-        state[0], state[1], loss = update(*state, *batch)
+        state[0], state[1], state[2], loss = update(*state, *batch)
         return float(loss)
 
     step.params = lambda: state[0]
+    step.model = lambda: nnx.merge(graphdef, state[0], state[2])
     return step
 
 

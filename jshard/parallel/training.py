@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -41,7 +42,7 @@ from ..api import constrain, jit, same_as
 from ..arguments import is_darray
 from ..caches import Cache, memo
 from ..cost import CostModel
-from ..darray import DArray
+from ..darray import DArray, distribute
 from ..engine import Program
 from ..explanation import Explanation
 from ..placements import Replicate
@@ -100,7 +101,7 @@ class TrainStep:
                              "parallelized; call jshard.parallel.parallelize(model, mesh, plan) first")
         # the carried state: (params, opt_state, rest) as trees, and (tree, blocks) as the last step left it while
         # no one has read the trees since (one of them may be None); see __call__
-        self._state: tuple | None = (params, init_optimizer(tx, params), rest)
+        self._state: tuple | None = (params, init_optimizer(tx, params), _replicated(rest, params))
         self._flat: tuple | None = None
         # under key 0, the _Hot of the last step: forgotten by jshard.clear_caches(), as the step's programs are
         self._hot = Cache(1)
@@ -222,6 +223,23 @@ class _Hot(NamedTuple):
 _SPEC, _BLOCK = operator.attrgetter("spec"), operator.attrgetter("block")
 
 
+def _replicated(rest: Any, params: Any) -> Any:
+    """The model's other state with its plain numeric arrays (a mixture's balancing bias) replicated DArrays on the
+    parameters' mesh, as the step gives them back: the second step then runs the first one's program."""
+    mesh = next(filter(is_darray, jax.tree.leaves(params, is_leaf=is_darray))).mesh
+
+    def placed(a):
+        if isinstance(a, (jax.Array, np.ndarray)) and not _is_key(a):
+            return distribute(a, mesh, [Replicate()] * len(mesh.axis_names))
+        return a
+
+    return jax.tree.map(placed, rest)
+
+
+def _is_key(a: Any) -> bool:
+    return jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
+
+
 def step_hooks(model: nnx.Module) -> list[tuple[tuple, Any, nnx.Module]]:
     """The module inside ``model`` that takes the step's loss and gradients itself, as ``(path, hook, module)``:
     one whose ``jshard_step`` a restructuring style installed (``PipelineParallel``'s ``stages.PipelineStep``,
@@ -272,6 +290,9 @@ def step_function(model: nnx.Module, tx: optax.GradientTransformation, loss_fn: 
         with jax.named_scope(GRADIENT_PINS):  # autoplan finds them by it (it pins them per candidate)
             grads = jax.tree.unflatten(tree, [constrain(g, p) for g, p in zip(leaves, grad_placements, strict=True)])
         params, opt_state = update(grads, opt_state, params)
+        # the other state back replicated, as it came in (a mixture's load is a pending sum): the next step runs
+        # this step's program
+        rest = jax.tree.map(lambda a: a if _is_key(a) else constrain(a, (Replicate(),) * len(names)), rest)
         return params, opt_state, rest, loss
 
     update = _update(tx)

@@ -2,6 +2,7 @@
 
 import dataclasses
 import doctest
+import re
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,19 @@ def test_the_demo_trains_like_one_device(style, capsys):
     assert demo.main(["--style", style, "--steps", "3", "--layers", "1"]) == 0
     out = capsys.readouterr().out
     assert "of the rounding bound -> OK" in out and "all_reduce x" in out.split("one training step communicates:")[1]
+
+
+@pytest.mark.parametrize("style", ["dp+ep", pytest.param("ep", marks=pytest.mark.slow),
+                                   pytest.param("pp+ep", marks=pytest.mark.slow)])
+def test_the_demo_trains_a_mixture_of_experts_like_one_device(style, capsys):
+    assert demo.main(["--style", style, "--steps", "3", "--layers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "of the rounding bound -> OK" in out
+    if "pp" not in style:  # inside a stage, a microbatch's 2 rows are gathered over ep rather than sent
+        assert "all_to_all x" in out.split("one training step communicates:")[1]
+    assert re.search(r"moe/w_up +\(8, 64, 128\) +\(.*S\(0\)\)", out)  # the experts split over ep
+    if "pp" not in style:  # the load balanced as it trains: its imbalance printed each step
+        assert len(re.findall(r"imbalance \d+\.\d\d", out)) == 3
 
 
 def test_the_demo_runs_as_two_processes_and_resumes_from_their_checkpoint(capfd, tmp_path):
