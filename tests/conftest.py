@@ -83,5 +83,30 @@ _DEALT_FIRST = ("test_multiprocess.py", "test_notebooks.py", "test_readme.py", "
                 "test_autoplan_benchmark.py", "test_pipeline_benchmark.py")
 
 
+# CI runs the suite in two JAX environments (the floor and the newest releases) and shares it out between them
+# (JSHARD_SUITE=floor or newest; unset, as under a plain `pytest tests`, every test runs). The newest releases run
+# what depends on JAX, Flax and Orbax's own code: the rules of the primitives, arrays and their layouts, the several
+# processes, checkpoints, the models written with Flax's transforms and explicit sharding, every docstring; and the
+# end-to-end runs that sit on all of it (the notebooks, the demo, parallelize's and autoplan's training sweeps), which
+# the floor leaves to them. The floor runs everything else: all but those end-to-end files.
+_BOTH = ("rules", "arrays", "checkpoints", "test_multiprocess.py", "test_explicit_sharding.py",
+         "test_scanned_layers.py", "test_doctests.py")
+_NEWEST_ONLY = ("test_notebooks.py", "test_demo.py", "test_parallel.py", "test_autoplan.py")
+
+
+def _runs_in(item, suite: str) -> bool:
+    names = {item.path.name, item.path.parent.name}
+    if suite == "newest":
+        return bool(names & set(_BOTH + _NEWEST_ONLY))
+    return not names & set(_NEWEST_ONLY)
+
+
 def pytest_collection_modifyitems(config, items):
+    suite = os.environ.get("JSHARD_SUITE")
+    if suite is not None:
+        if suite not in ("floor", "newest"):
+            raise pytest.UsageError(f"JSHARD_SUITE={suite!r}: use floor or newest (or leave it unset: every test)")
+        kept = [item for item in items if _runs_in(item, suite)]
+        config.hook.pytest_deselected(items=[item for item in items if not _runs_in(item, suite)])
+        items[:] = kept
     items.sort(key=lambda item: item.path.name not in _DEALT_FIRST)  # a stable sort

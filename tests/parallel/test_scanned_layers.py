@@ -183,8 +183,8 @@ def four_layers():
 
 
 @pytest.mark.parametrize("mesh_shape,style,schedule,virtual", [
-    ((2, 4), "pp+tp", "1f1b", 1), ((2, 4), "pp+fsdp", "interleaved", 2), ((1, 8), "pp+tp", "gpipe", 1),
-    ((1,), "pp", "1f1b", 1)])
+    ((2, 4), "pp+tp", "1f1b", 1), pytest.param((2, 4), "pp+fsdp", "interleaved", 2, marks=pytest.mark.slow),
+    pytest.param((1, 8), "pp+tp", "gpipe", 1, marks=pytest.mark.slow), ((1,), "pp", "1f1b", 1)])
 def test_a_pipelined_stack_of_layers_trains_like_one_device(mesh_shape, style, schedule, virtual):
     """PipelineParallel matched on the module nnx.vmap built: its layer dim is split into stages, the model's own
     nnx.scan is cut into what comes before, the layer and the tail, and the step runs by the schedule."""

@@ -109,8 +109,13 @@ def _placed(mesh, how, x, logits, up, down, gate):
     return (on(x, tokens, 0), on(logits, tokens, 0), on(up, experts[0]), on(down, experts[1]), on(gate, experts[0]))
 
 
-@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("how", ["dispatch", "gather", "tensor", "data"])
+# every way on 8 and 2x4 (another axis beside), dispatch on 1x8 and one device; the rest under -m slow
+WAYS = [pytest.param(shape, how, id=f"{'x'.join(map(str, shape))}-{how}",
+                     marks=() if shape in ((8,), (2, 4)) or how == "dispatch" else pytest.mark.slow)
+        for shape in MESHES for how in ("dispatch", "gather", "tensor", "data")]
+
+
+@pytest.mark.parametrize("shape,how", WAYS)
 def test_every_way_gives_the_one_device_output_and_gradients(shape, how):
     mesh = make_mesh(shape)
     x, logits, up, down, gate = _inputs(seed=1, skew=how == "dispatch")

@@ -7,11 +7,13 @@ devices, every combination) is the slow-marked test and also asserts that the co
 Every registered rule has samples, or a written reason why none can exist (``NOT_SAMPLED``).
 """
 
+import functools
 import warnings
 
 import pytest
 
 from jshard.rules import registered, registry
+from jshard.rules.functions import function_names
 from jshard.validate import NOT_SAMPLED, collect, registered_with_samples, validate, without_samples
 from jshard.validate.__main__ import main
 
@@ -26,12 +28,17 @@ CORE_FAMILIES = ("elementwise", "reductions", "contractions", "shapes")
 # the rule offers monotonicity in x alone
 KNOWN_MISSING = {"nextafter", "polygamma", "regularized_incomplete_beta", "polynomial", "igamma", "igammac"}
 
-_SAMPLES = collect()
-_PRIMS = registered_with_samples(_SAMPLES)
+# the rules the validator checks: every registered one but those exempt (which the test below keeps true), known
+# without tracing the sample programs, so that collecting the suite stays quick; the samples are traced once per
+# worker, by the first test that reads them
+_PRIMS = sorted(set(registered()) - set(NOT_SAMPLED) - set(function_names()))
+
+
+_samples = functools.cache(collect)  # every sample program traced, once a worker
 
 
 def _family(name):
-    return _SAMPLES[name][0].source
+    return _samples()[name][0].source
 
 
 # primitives of real training steps (transformer, conv, dropout, RNG), traced with jax 0.10.2 / flax 0.12.8
@@ -44,33 +51,34 @@ select_n shift_right_logical sign slice split sqrt square squeeze stop_gradient 
 def test_every_training_step_primitive_has_a_rule_and_samples():
     needed = set(TRAINING_STEP)  # jit and custom_jvp_call are calls: the engine recurses into them
     assert needed <= set(registered()), sorted(needed - set(registered()))
-    assert needed <= set(_SAMPLES), sorted(needed - set(_SAMPLES))
+    assert needed <= set(_samples()), sorted(needed - set(_samples()))
 
 
 def test_every_rule_has_samples_or_a_written_reason():
-    unchecked = without_samples(_SAMPLES)
+    unchecked = without_samples(_samples())
     assert not unchecked, (
         f"rules that the validator never checks: {unchecked}. Add a program that emits each primitive to its "
         "family's module in jshard/validate/samples (PROGRAMS), or, where no single-device result exists, an "
         "entry with the reason to jshard.validate.core.NOT_SAMPLED")
     # an exemption is for a rule that exists and cannot be sampled: a stale one hides nothing, so it goes
-    assert set(NOT_SAMPLED) <= set(registered()) - set(_SAMPLES), sorted(set(NOT_SAMPLED) & set(_SAMPLES))
+    assert set(NOT_SAMPLED) <= set(registered()) - set(_samples()), sorted(set(NOT_SAMPLED) & set(_samples()))
     assert all(reason.strip() for reason in NOT_SAMPLED.values())
+    assert _PRIMS == registered_with_samples(_samples())  # the slices below check every rule with samples
 
 
 def test_a_new_rule_without_samples_is_reported():
     # the check above can fail: a rule (all-Replicate only, so correct) for a primitive no sample program emits
     with registry.override("reduce_window_sum", registry.Rule("reduce_window_sum", lambda ins, outs, params: [])):
-        assert without_samples(_SAMPLES) == ["reduce_window_sum"]
-        assert "reduce_window_sum" not in registered_with_samples(_SAMPLES)
-    assert without_samples(_SAMPLES) == []
+        assert without_samples(_samples()) == ["reduce_window_sum"]
+        assert "reduce_window_sum" not in registered_with_samples(_samples())
+    assert without_samples(_samples()) == []
 
 
 @pytest.mark.parametrize("name", _PRIMS)
 def test_rule_slice(name):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        r = validate(name, _SAMPLES[name][:3], sizes=(3,), max_combos=10, seed=0)
+        r = validate(name, _samples()[name][:3], sizes=(3,), max_combos=10, seed=0)
     assert r.incorrect == 0, "\n\n".join(repro for _, repro in r.incorrect_cases[:2])
     assert not r.errors, r.errors[:3]
     # "missing" needs every sample to rule out coincidences: it is asserted by the full sweep below
@@ -83,7 +91,7 @@ def test_validator_catches_a_wrong_rule():
     rule = registry.rule_for("exp")
     claims_sum = lambda ins, outs, params: rule.strategies(ins, outs, params) + [(Partial(), Partial())]
     with registry.override("exp", registry.Rule("exp", claims_sum)):
-        r = validate("exp", _SAMPLES["exp"][:1], sizes=(2,))
+        r = validate("exp", _samples()["exp"][:1], sizes=(2,))
     assert registry.rule_for("exp") is rule  # put back
     assert r.incorrect == 1 and r.incorrect_cases[0][0] == (("P(sum)",), ("P(sum)",))
 
@@ -99,7 +107,7 @@ def test_cli_runs(capsys):
 def test_rule_full(name):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        r = validate(name, _SAMPLES[name], sizes=(2, 3, 4))
+        r = validate(name, _samples()[name], sizes=(2, 3, 4))
     assert r.incorrect == 0, "\n\n".join(repro for _, repro in r.incorrect_cases[:2])
     if _family(name) in CORE_FAMILIES and name not in KNOWN_MISSING:
         assert r.missing == 0, [k for k, _ in r.missing_cases]

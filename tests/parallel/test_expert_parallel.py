@@ -53,14 +53,17 @@ def test_the_experts_are_sharded_and_stay_where_they_are():
 
 
 @pytest.mark.parametrize("shape,style,axes,data", [
-    ((8,), "ep", dict(ep="x"), (Shard(0),)),                      # experts on the batch's axis
-    ((2, 4), "dp+ep", dict(ep="tp"), (Shard(0), Shard(0))),       # an axis of their own, the batch on both
-    ((2, 4), "fsdp+ep", dict(ep="tp"), (Shard(0), Shard(0))),     # FSDP over the rest
-    ((2, 4), "ep+tp", dict(ep="dp"), (Shard(0), R)),              # tensor parallelism beside them
-    ((2, 4), "pp+ep", dict(pp="dp", ep="tp", microbatches=2), (R, Shard(0))),  # inside pipeline stages
-    ((1, 8), "dp+ep", dict(ep="tp"), (Shard(0), Shard(0))),
-    ((1,), "ep", dict(ep="x"), (R,)),
-], ids=["ep8", "dp2xep4", "fsdp2xep4", "ep2xtp4", "pp2xep4", "dp1xep8", "one-device"])
+    pytest.param((8,), "ep", dict(ep="x"), (Shard(0),), id="ep8"),  # experts on the batch's axis
+    pytest.param((2, 4), "dp+ep", dict(ep="tp"), (Shard(0), Shard(0)), id="dp2xep4"),  # an axis of their own
+    pytest.param((2, 4), "fsdp+ep", dict(ep="tp"), (Shard(0), Shard(0)), id="fsdp2xep4",  # FSDP over the rest
+                 marks=pytest.mark.slow),
+    pytest.param((2, 4), "ep+tp", dict(ep="dp"), (Shard(0), R), id="ep2xtp4",  # tensor parallelism beside them
+                 marks=pytest.mark.slow),
+    pytest.param((2, 4), "pp+ep", dict(pp="dp", ep="tp", microbatches=2), (R, Shard(0)), id="pp2xep4",
+                 marks=pytest.mark.slow),  # inside pipeline stages
+    pytest.param((1, 8), "dp+ep", dict(ep="tp"), (Shard(0), Shard(0)), id="dp1xep8"),
+    pytest.param((1,), "ep", dict(ep="x"), (R,), id="one-device"),
+])
 def test_a_mixture_of_experts_gpt_trains_like_one_device(shape, style, axes, data):
     mesh = make_mesh(shape)
     styles, default = plan(style, **axes)
