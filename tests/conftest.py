@@ -85,12 +85,12 @@ _DEALT_FIRST = ("test_multiprocess.py", "test_notebooks.py", "test_readme.py", "
 
 # CI runs the suite in two JAX environments (the floor and the newest releases) and shares it out between them
 # (JSHARD_SUITE=floor or newest; unset, as under a plain `pytest tests`, every test runs). The newest releases run
-# what depends on JAX, Flax and Orbax's own code: the rules of the primitives, arrays and their layouts, the several
-# processes, checkpoints, the models written with Flax's transforms and explicit sharding, every docstring; and the
-# end-to-end runs that sit on all of it (the notebooks, the demo, parallelize's and autoplan's training sweeps), which
-# the floor leaves to them. The floor runs everything else: all but those end-to-end files.
-_BOTH = ("rules", "arrays", "checkpoints", "test_multiprocess.py", "test_explicit_sharding.py",
-         "test_scanned_layers.py", "test_doctests.py")
+# what depends on JAX, Flax and Orbax's own code: the rules of the primitives, arrays and their layouts, the engine
+# (jaxprs, lowering, several processes), checkpoints, the models written with Flax's transforms and explicit
+# sharding, every docstring; and the end-to-end runs that sit on all of it (the notebooks, the demo, parallelize's
+# and autoplan's training sweeps), which the floor leaves to them. The floor runs everything else.
+_BOTH = ("rules", "arrays", "engine", "checkpoints", "test_explicit_sharding.py", "test_scanned_layers.py",
+         "test_doctests.py")
 _NEWEST_ONLY = ("test_notebooks.py", "test_demo.py", "test_parallel.py", "test_autoplan.py")
 
 
