@@ -41,10 +41,8 @@ differentiated, the ``all_to_all``\\ s transposing into the return trips of the 
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -53,23 +51,18 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike
 
-from .api import constrain
 from .cost import Communication
-from .engine.program import tracing_mesh
 from .local import axis_index, valid_mask
-from .placements import Partial, Replicate, Shard
+from .placements import Partial, Replicate
 from .rules.functions import function
 from .rules.registry import ShardPlaceholder
 
 if TYPE_CHECKING:
     from .spec import Spec
 
-__all__ = ["ROUTERS", "balance_bias", "balance_loss", "expert_axes", "experts", "imbalance", "route"]
+__all__ = ["ROUTERS", "balance_bias", "balance_loss", "experts", "imbalance", "route"]
 
 ROUTERS = ("softmax", "sigmoid")
-
-# the mesh axes the experts stay on while a module under ExpertParallel runs (tokens move to them)
-_AXES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("jshard_expert_axes", default=())
 
 
 def experts(x: ArrayLike, router_logits: ArrayLike, w_up: ArrayLike, w_down: ArrayLike, *, top_k: int,
@@ -99,9 +92,6 @@ def experts(x: ArrayLike, router_logits: ArrayLike, w_up: ArrayLike, w_down: Arr
     lead, d = x.shape[:-1], x.shape[-1]
     gated = w_gate is not None
     mats = [w_up, *([w_gate] if gated else []), w_down]
-    axes = _AXES.get()
-    if axes and tracing_mesh() is not None:
-        mats = [constrain(m, {a: Shard(0) for a in axes}) for m in mats]
     flat = [x.reshape(-1, d), idx.reshape(-1, top_k), weights.reshape(-1, top_k).astype(x.dtype)]
     out = _experts(*flat, *mats, activation=activation, gated=gated)
     out = out.reshape(*lead, d)
@@ -111,22 +101,6 @@ def experts(x: ArrayLike, router_logits: ArrayLike, w_up: ArrayLike, w_down: Arr
     load = jnp.sum(idx.reshape(-1, top_k)[..., None] == jnp.arange(e, dtype=idx.dtype), axis=(0, 1),
                    dtype=jnp.int32)
     return out, load
-
-
-@contextlib.contextmanager
-def expert_axes(*axes: str) -> Iterator[None]:
-    """Within it, under ``jshard.jit``, ``experts`` keeps its weights ``Shard(0)`` on ``axes`` (pinned, gradients
-    too): the tokens travel to the experts, never the experts to the tokens. ``ExpertParallel`` runs its module's
-    calls inside it.
-
-    >>> with expert_axes("ep"):
-    ...     pass
-    """
-    token = _AXES.set(_AXES.get() + tuple(axes))
-    try:
-        yield
-    finally:
-        _AXES.reset(token)
 
 
 def route(router_logits: ArrayLike, top_k: int, *, router: str = "softmax",

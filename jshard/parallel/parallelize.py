@@ -327,13 +327,19 @@ def _place(model: nnx.Module, matched: _Matched, mesh: Mesh, rules: dict[str, An
 
 
 def _units(matched: _Matched, params: list[_Placed]) -> dict[tuple, tuple]:
-    """Step 3, FSDP's units: per module gathering parameters while it runs, each one's path below it and its
-    ``(mesh axis, compute placement)`` pairs, in ``nnx.iter_graph`` order."""
+    """Step 3, FSDP's units: per module gathering parameters while it runs (or pinning its own where they are,
+    ``ParallelStyle.pin``), each one's path below it and its ``(mesh axis, placement while it runs)`` pairs, in
+    ``nnx.iter_graph`` order."""
     gathers: dict[tuple, dict[tuple, list]] = {}
     for p in params:
         for style, unit in p.placing.values():
             if style.compute is not None:
                 gathers.setdefault(unit, {}).setdefault(p.path[len(unit):], []).append((style.axis, style.compute))
+            elif unit == p.owner and callable(matched.modules[unit]):  # a style keeping its parameter in place
+                shape = tuple(np.shape(p.value))
+                kept = style.pin(matched.modules[unit], str(p.path[-1]), shape)
+                if kept is not None:
+                    gathers.setdefault(unit, {}).setdefault(p.path[len(unit):], []).append((style.axis, kept))
     for unit in gathers:  # a default unit never called is gathered where used; a matched one would mislead
         gathering = [s for s in matched.styles[unit] if s.compute is not None]
         if gathering and not callable(matched.modules[unit]):

@@ -9,6 +9,8 @@ one small interface:
   whether the input's gradient is constrained like the input;
 - ``compute``: where the module's parameters are while it runs (FSDP: gathered), None for as stored; a style
   with one also takes the parameters of the modules inside the module it is matched on (FSDP's unit);
+- ``pin(module, name, shape)``: a placement the module's own parameter is held at while it runs (ExpertParallel:
+  the experts where they are), None to leave it to the engine;
 - ``context()``: a context manager the module's call runs in (ContextParallel: the attention method of its axis);
 - ``on(mesh)``: the style as it runs on a mesh (``parallelize`` asks once the plan is checked; ContextParallel
   learns its axis size there, for the balanced layout);
@@ -56,7 +58,6 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from ..darray import DArray
-from ..moe import expert_axes
 from ..placements import Placement, Replicate, Shard
 from ..sharded_attention import METHODS, attention_method, balanced
 from .schedule import SCHEDULES
@@ -102,6 +103,12 @@ class ParallelStyle:
         """The placement on ``self.axis`` of parameter ``name`` (of ``shape``) of ``module``; raise
         ``self.refuse(...)`` for one it cannot place."""
         return R
+
+    def pin(self, module: nnx.Module, name: str, shape: tuple[int, ...]) -> Placement | None:
+        """The placement on ``self.axis`` that parameter ``name`` of ``module`` is pinned to while the module runs
+        (``ExpertParallel``: the experts where they are, so the tokens travel to them), None to leave it to the
+        engine (the default: the cost model may move a weight rather than the activations)."""
+        return None
 
     def inputs(self, args: tuple, kwargs: dict) -> tuple[tuple[Placement | None, ...], dict[str, Placement | None]]:
         """The placements on ``self.axis`` of a call's arguments: one per positional argument and one per keyword
@@ -353,10 +360,11 @@ class ExpertParallel(ParallelStyle):
     """Expert parallelism over ``axis``: matched on a mixture-of-experts module, it places the module's own
     parameters whose leading dim is the expert count (``experts``, or read from its parameters of rank 3, ``[E, D,
     H]``) ``Shard(0)`` on the axis, each device holding ``E / size`` experts, and keeps them there while the module
-    runs: its ``jshard.experts`` sends the tokens to their experts' devices (``jshard.moe``), never the experts to the
-    tokens. The module's other parameters (the router, inside it) are placed as the other styles say, else
-    replicated. The axis may be one of its own or the one sharding the batch (expert ranks drawn from data-parallel
-    ones, as torchtitan and MaxText do); other styles on other axes compose with it (``FullyShard`` over the rest).
+    runs (``pin``): the tokens travel to their experts' devices, never the experts to the tokens, whether the module
+    calls ``jshard.experts`` or dispatches with einsums of its own (GShard's). The module's other parameters (the
+    router, inside it) are placed as the other styles say, else replicated. The axis may be one of its own or the
+    one sharding the batch (expert ranks drawn from data-parallel ones, as torchtitan and MaxText do); other styles
+    on other axes compose with it (``FullyShard`` over the rest).
 
     >>> import numpy as np
     >>> from flax import nnx
@@ -381,8 +389,9 @@ class ExpertParallel(ParallelStyle):
         count = self.experts if self.experts is not None else self._count(module, name, shape)
         return Shard(0) if len(shape) >= 2 and shape[0] == count else R
 
-    def context(self):
-        return expert_axes(self.axis)
+    def pin(self, module, name, shape):
+        placed = self.param(module, name, shape)
+        return placed if placed != R else None
 
     def _count(self, module, name, shape) -> int:
         leading = {np.shape(v.get_value())[0] for v in vars(module).values()

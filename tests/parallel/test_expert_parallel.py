@@ -4,6 +4,7 @@ data parallelism (on an axis of its own, or on the batch's axis), FSDP over the 
 pipeline, a mixture-of-experts GPT trains like one device on 8, 2x4, 1x8 and one device."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -96,3 +97,48 @@ def test_expert_parallel_reads_the_expert_count_or_asks_for_it():
     assert ExpertParallel("ep", experts=8).param(Odd(), "w_down", (6, 8, 4)) == R
     with pytest.raises(ValueError, match=r"experts must be the expert count"):
         ExpertParallel("ep", experts=0)
+
+
+class GShard(nnx.Module):
+    """A mixture written in plain JAX as GShard and Switch did: tokens in groups, top-1 routing, one-hot dispatch and
+    combine einsums with a capacity per group (tokens past it dropped, by the layer's own design)."""
+
+    def __init__(self, dim, experts, hidden, capacity_factor, rngs):
+        init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=-2, out_axis=-1, batch_axis=(0,))
+        self.router = nnx.Linear(dim, experts, use_bias=False, rngs=rngs)
+        self.w_in = nnx.Param(init(rngs.params(), (experts, dim, hidden)))
+        self.w_out = nnx.Param(init(rngs.params(), (experts, hidden, dim)))
+        self.capacity_factor = capacity_factor
+
+    def __call__(self, x):  # [groups, tokens, dim]
+        experts = self.w_in.shape[0]
+        capacity = int(np.ceil(self.capacity_factor * x.shape[1] / experts))
+        probs = jax.nn.softmax(self.router(x), axis=-1)
+        chosen = jax.nn.one_hot(jnp.argmax(probs, axis=-1), experts)               # [g, s, e]
+        slot = (jnp.cumsum(chosen, axis=1) * chosen - 1).astype(jnp.int32)          # place in its expert buffer
+        dispatch = chosen[..., None] * jax.nn.one_hot(slot, capacity)                # [g, s, e, c]; past c: dropped
+        combine = dispatch * jnp.max(probs, axis=-1)[..., None, None]
+        xe = jnp.einsum("gsec,gsd->egcd", dispatch, x)                               # tokens to their experts
+        h = jax.nn.gelu(jnp.einsum("egcd,edh->egch", xe, self.w_in[...]))
+        return x + jnp.einsum("gsec,egcd->gsd", combine, jnp.einsum("egch,ehd->egcd", h, self.w_out[...]))
+
+
+@pytest.mark.parametrize("shape", [(8,), (2, 4)], ids=["ep8", "dp2xep4"])
+def test_a_users_gshard_layer_keeps_its_experts_in_place_and_trains_like_one_device(shape):
+    mesh = make_mesh(shape)
+    ep = mesh.axis_names[-1]
+    make = lambda: GShard(16, 8, 32, 1.25, nnx.Rngs(0))  # noqa: E731
+    model = parallelize(make, mesh, {"": ExpertParallel(ep)})
+    assert model.w_in.get_value().placements[-1] == Shard(0)
+    mse = lambda m, x, y: jnp.mean((m(x) - y) ** 2)  # noqa: E731
+    step, ref = TrainStep(model, optax.sgd(0.5), mse), one_device_trainer(make(), optax.sgd(0.5), mse)
+    rng = np.random.default_rng(3)
+    data = (Shard(0),) * len(shape)  # the groups over every axis: each device routes its own
+    for _ in range(3):
+        x, y = (rng.normal(size=(8, 16, 16)).astype(np.float32) for _ in range(2))
+        got = float(step(*(jshard.distribute(a, mesh, data) for a in (x, y))))
+        assert got == pytest.approx(ref(x, y), rel=1e-5)
+    ex = step.explain(*(jshard.distribute(a, mesh, data) for a in (x, y)))
+    moved = {m[1] for r in ex.rows for m in r["moves"] if tuple(r["ins"][m[0]].shape) in {(8, 16, 32), (8, 32, 16)}}
+    assert moved <= {"all_reduce"}, moved  # the weights never gathered (their gradients summed over dp)
+    assert ex.totals["all_to_all"][0] >= 2  # the dispatch and the combine move tokens
