@@ -43,6 +43,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/checkpoint.py
 	$(PY) benchmarks/gpu.py
+	$(PY) benchmarks/moe.py
 
 clean:
 	rm -rf $(VENV) $(NEWEST) *.egg-info

@@ -601,11 +601,12 @@ def check_gpt() -> None:
     match_one_device("gpt", losses)
 
 
-def check_gpt_scanned_and_explicit(kind: str) -> None:
+def check_gpt_model_patterns(kind: str) -> None:
     """Models of the patterns users write, on 2x4 with the data axis crossing the processes, against the same model
     on one device: the GPT with scanned blocks (``scan=True``, fsdp+tp: the stack placed as one layer, FSDP
-    gathering a layer a scan step), and a Gemma-shaped model annotated for JAX's explicit sharding (its
-    annotations the plan, its calls' ``out_sharding=`` pins)."""
+    gathering a layer a scan step), a Gemma-shaped model annotated for JAX's explicit sharding (its
+    annotations the plan, its calls' ``out_sharding=`` pins), and a mixture-of-experts GPT with its experts over
+    the axis that crosses the processes (balanced by its routing bias, carried from step to step)."""
     from flax import nnx
 
     from jshard.gpt import GPT, one_device_trainer, plan, summed_terms
@@ -613,9 +614,14 @@ def check_gpt_scanned_and_explicit(kind: str) -> None:
     from jshard.validate.tolerance import curve_ratio
 
     _, loss_fn, tx, windows = gpt_problem()
+    layout = [Shard(0), Replicate()]
     if kind == "scanned":
         make = lambda: GPT(VOCAB, DIM, HEADS, LAYERS, SEQ, rngs=nnx.Rngs(0), scan=True)  # noqa: E731
         styles, default = plan("fsdp+tp", dp="dp", tp="tp", scan=True)
+    elif kind == "moe":  # 8 experts over dp, 4 a process: the tokens cross the processes to their experts and back
+        make = lambda: GPT(VOCAB, DIM, HEADS, LAYERS, SEQ, rngs=nnx.Rngs(0), experts=8, top_k=2,  # noqa: E731
+                           balance=1e-2)
+        styles, default = plan("ep+tp", ep="dp", tp="tp")
     else:
         from modules import ExplicitGemma
 
@@ -625,8 +631,8 @@ def check_gpt_scanned_and_explicit(kind: str) -> None:
                                           rngs=nnx.Rngs(0))
     mesh = MESHES["2x4"]
     train = TrainStep(parallelize(make, mesh, styles, default=default), tx, loss_fn)
-    ours = train_gpt(train, mesh, [Shard(0), Replicate()], windows, f"gpt_{kind}")
-    one = one_device_trainer((make if kind == "scanned" else reference)(), tx, loss_fn)
+    ours = train_gpt(train, mesh, layout, windows, f"gpt_{kind}")
+    one = one_device_trainer((reference if kind == "explicit" else make)(), tx, loss_fn)
     theirs = [one(jnp.asarray(w[:, :-1]), jnp.asarray(w[:, 1:])) for w in windows]
     RESULTS["losses"][f"gpt_{kind}"] = [v.hex() for v in ours]
     # the Gemma's MLP and heads are wider than the GPT's terms count: twice the GPT's count bounds both
@@ -842,8 +848,8 @@ def main() -> None:
     for name in ATTENTION:
         check(f"attention/{name}", check_attention, name)
     check("gpt/tp_2x4", check_gpt)
-    for kind in ("scanned", "explicit"):
-        check(f"gpt/{kind}_2x4", check_gpt_scanned_and_explicit, kind)
+    for kind in ("scanned", "explicit", "moe"):
+        check(f"gpt/{kind}_2x4", check_gpt_model_patterns, kind)
     check("gpt/cp8_ring", check_gpt_context_parallel)
     check("gpt/autoplan_2x4", check_gpt_autoplan)
     check("gpt/pp2xdp2xtp2_pp_across", check_gpt_pipeline)
