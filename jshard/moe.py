@@ -262,6 +262,7 @@ class _Roles:
                     self.group[e] = _linear([at[a] for a in self.others], [mesh.shape[a] for a in self.others])
                     self.slot[e] = j
         self.sizes = [mesh.shape[a] for a in self.others]
+        self.tiled = mesh.devices.flat[0].platform == "cpu"
 
     def mine(self):
         """This device's group along the other expert axes."""
@@ -280,6 +281,7 @@ class _Whole:
 
     def __init__(self, experts: int):
         self.dispatch, self.others, self.n, self.local = (), (), 1, experts
+        self.tiled = jax.default_backend() == "cpu"
         self.dest = self.group = np.zeros(experts, np.int32)
         self.slot = np.arange(experts, dtype=np.int32)
 
@@ -358,7 +360,7 @@ def _forward_kernel(roles, x, idx, weights, w_up, w_gate, w_down, valid_tokens, 
     copies = _Copies(roles, idx, valid_tokens)
 
     def run(rows, slots):
-        return _grouped_mlp(rows, slots, roles.local, w_up, w_gate, w_down, activation), ()
+        return _grouped_mlp(rows, slots, roles.local, w_up, w_gate, w_down, activation, roles.tiled), ()
 
     out, _ = copies.exchange(run, x[copies.tok], x.shape[1], x.dtype)
     w = jnp.where(copies.kept, weights.reshape(-1)[copies.order], 0).astype(out.dtype)
@@ -381,7 +383,7 @@ def _backward_kernel(roles, x, idx, weights, w_up, w_gate, w_down, dy, valid_tok
 
         def mlp(xs, *mats):
             up, gate, down = mats if gated else (mats[0], None, mats[1])
-            return _grouped_mlp(xs, slots, roles.local, up, gate, down, activation)
+            return _grouped_mlp(xs, slots, roles.local, up, gate, down, activation, roles.tiled)
 
         ys, pull = jax.vjp(mlp, xs, *mats)
         dxs, *dmats = pull((ws * dys).astype(ys.dtype))
@@ -396,16 +398,48 @@ def _backward_kernel(roles, x, idx, weights, w_up, w_gate, w_down, dy, valid_tok
     return [dx, dw.reshape(weights.shape), *dmats]
 
 
-def _grouped_mlp(rows, slot, local, w_up, w_gate, w_down, activation):
+def _grouped_mlp(rows, slot, local, w_up, w_gate, w_down, activation, tiled):
     """Each row through the expert of its slot (slot ``local``: no expert, a zero row), as one grouped GEMM per
-    weight: the rows sorted by slot, ``lax.ragged_dot``, and back in their order."""
+    weight: the rows sorted by slot, multiplied group by group (``_grouped_dot``), and back in their order."""
     order = jnp.argsort(slot, stable=True)
     sizes = jnp.sum(slot[:, None] == jnp.arange(local, dtype=slot.dtype), axis=0, dtype=jnp.int32)
     r = rows[order]
-    h = lax.ragged_dot(r, w_up, sizes)
-    h = activation(lax.ragged_dot(r, w_gate, sizes)) * h if w_gate is not None else activation(h)
-    out = lax.ragged_dot(h.astype(rows.dtype), w_down, sizes)
+    h = _grouped_dot(r, w_up, sizes, tiled)
+    h = activation(_grouped_dot(r, w_gate, sizes, tiled)) * h if w_gate is not None else activation(h)
+    out = _grouped_dot(h.astype(rows.dtype), w_down, sizes, tiled)
     return jnp.zeros_like(out).at[order].set(out)
+
+
+def _grouped_dot(rows, w, sizes, tiled: bool):
+    """``rows`` ``[M, K]`` sorted by group (``sizes`` ``[G]`` rows each, the rest zero) times each group's ``w[g]``
+    ``[K, N]``: ``lax.ragged_dot``, a grouped GEMM on GPU and TPU. XLA:CPU runs it as ``G`` dense products of every
+    row, so there (``tiled``) the rows go in tiles that never span two groups, one small product a tile: about
+    ``M + 4G`` tiles' rows of work rather than ``G * M``."""
+    m, k = rows.shape
+    g, n = w.shape[0], w.shape[2]
+    if not tiled or g <= 2:  # one or two groups: as many dense products cost no more than tiles
+        return lax.ragged_dot(rows, w, sizes)
+    tile = max(8, -(-m // (4 * g)))
+    count = -(-m // tile) + g  # a group's last tile may be partly empty: at most one such tile per group
+    starts = jnp.cumsum(sizes) - sizes
+    per_group = (sizes + tile - 1) // tile
+    ends = jnp.cumsum(per_group)
+    i = jnp.arange(count, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(ends, i, side="right"), g - 1).astype(jnp.int32)
+    offset = starts[group] + (i - (ends - per_group)[group]) * tile
+    live = i < ends[-1]
+    padded = jnp.concatenate([rows, jnp.zeros((tile, k), rows.dtype)])
+    dtype = jnp.result_type(rows.dtype, w.dtype)
+
+    def one(out, t):
+        gi, off, stop, ok = t
+        y = lax.dynamic_slice_in_dim(padded, off, tile) @ lax.dynamic_index_in_dim(w, gi, keepdims=False)
+        keep = ok & (off + jnp.arange(tile, dtype=jnp.int32) < stop)
+        here = lax.dynamic_slice_in_dim(out, off, tile)
+        return lax.dynamic_update_slice_in_dim(out, here + jnp.where(keep[:, None], y, 0).astype(dtype), off, 0), None
+
+    out, _ = lax.scan(one, jnp.zeros((m + tile, n), dtype), (group, offset, starts[group] + sizes[group], live))
+    return out[:m]
 
 
 def _split(params, blocks):

@@ -168,3 +168,19 @@ def test_bad_arguments_are_refused_naming_the_shapes(kwargs, match):
         jshard.experts(x, logits, up, down, **kwargs)
     with pytest.raises(ValueError, match=r"x float32\[32, 8\].*w_down must be \[E, H, D\] = \[8, 16, 8\]"):
         jshard.experts(x, logits, up, down[:, :4], top_k=2)
+
+
+@pytest.mark.parametrize("sizes,m", [((3, 0, 5, 1), 12), ((0, 0, 0, 0), 5), ((7, 0, 0, 0), 7), ((1, 1, 1, 1), 40)])
+def test_the_tiled_grouped_product_is_ragged_dots(sizes, m):
+    """XLA:CPU's ragged_dot multiplies every row by every group's matrix; the tiled form must give its values,
+    the rows past the groups zero, and its gradients."""
+    from jshard.moe import _grouped_dot
+
+    rng = np.random.default_rng(0)
+    rows, w = rng.normal(size=(m, 5)).astype(np.float32), rng.normal(size=(4, 5, 3)).astype(np.float32)
+    sizes = np.array(sizes, np.int32)
+    _close(_grouped_dot(rows, w, sizes, True), jax.lax.ragged_dot(rows, w, sizes))
+    grads = [jax.grad(lambda r, w: jnp.sum(jnp.sin(_grouped_dot(r, w, sizes, t))), argnums=(0, 1))(rows, w)
+             for t in (True, False)]
+    for a, b in zip(*grads, strict=True):
+        _close(a, b)
