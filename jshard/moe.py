@@ -420,12 +420,15 @@ def _grouped_dot(rows, w, sizes, tiled: bool):
     if not tiled or g <= 2:  # one or two groups: as many dense products cost no more than tiles
         return lax.ragged_dot(rows, w, sizes)
     tile = max(8, -(-m // (4 * g)))
+    sizes = jnp.asarray(sizes)
     count = -(-m // tile) + g  # a group's last tile may be partly empty: at most one such tile per group
     starts = jnp.cumsum(sizes) - sizes
     per_group = (sizes + tile - 1) // tile
     ends = jnp.cumsum(per_group)
     i = jnp.arange(count, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(ends, i, side="right"), g - 1).astype(jnp.int32)
+    # the group of tile i: how many groups' tiles end at or before it (not jnp.searchsorted: on jax >= 0.12 a
+    # higher-order primitive, which a jshard.rules.function body may not hold)
+    group = jnp.minimum(jnp.sum(ends[None, :] <= i[:, None], axis=1), g - 1).astype(jnp.int32)
     offset = starts[group] + (i - (ends - per_group)[group]) * tile
     live = i < ends[-1]
     padded = jnp.concatenate([rows, jnp.zeros((tile, k), rows.dtype)])
