@@ -3,10 +3,11 @@
 A plan gives each mesh axis a role: ``"dp"`` (the batch split, parameters replicated), ``"fsdp"`` (the batch
 split, parameters sharded and gathered where used), ``"tp"`` (Megatron's tensor parallelism), ``"sp"`` (``"tp"``
 with the norms and residual stream sharded on the sequence), ``"cp"`` (context parallelism: the sequence split,
-attention crossing the axis as the cost model chooses) or ``"pp"`` (pipeline parallelism: the list of identical
-blocks split into stages, 1F1B over twice as many microbatches as stages where the batch allows). Roles on several
-axes compose (FSDP on one data axis and data parallelism on another is HSDP; one tensor, one context and one
-pipeline axis at most). Under ``"tp"`` / ``"sp"``
+attention crossing the axis as the cost model chooses), ``"pp"`` (pipeline parallelism: the list of identical
+blocks split into stages, 1F1B over twice as many microbatches as stages where the batch allows) or ``"ep"`` (expert
+parallelism, offered where the model has mixtures of experts: the batch split, every mixture's experts split and
+kept in place, ``ExpertParallel``). Roles on several axes compose (FSDP on one data axis and data parallelism on
+another is HSDP; one tensor, one context, one pipeline and one expert axis at most). Under ``"tp"`` / ``"sp"``
 each linear layer's side is read from the model's own dataflow, not from its names: a layer fed by no other
 layer's output (q, k, v, up, a head) runs column parallel, one fed by a column-parallel layer (o, down) row
 parallel, alternating along a chain; embeddings looked up by the batch's ids are split on the vocabulary; norms
@@ -79,6 +80,7 @@ from .schedule import make_schedule
 from .styles import (
     ColwiseParallel,
     ContextParallel,
+    ExpertParallel,
     FullyShard,
     ParallelStyle,
     PipelineParallel,
@@ -89,7 +91,8 @@ from .training import GRADIENT_PINS, check_tx, mirror_placements, step_function
 
 __all__ = ["ROLES", "autoplan"]
 
-ROLES = ("dp", "fsdp", "tp", "sp", "cp", "pp")
+ROLES = ("dp", "fsdp", "ep", "tp", "sp", "cp", "pp")
+_BATCH = ("dp", "fsdp", "ep")  # roles that split the batch
 _TENSOR = ("tp", "sp")
 _TRACED_AS = {"fsdp": "dp"}  # roles whose steps trace alike (see _Whole)
 
@@ -137,12 +140,14 @@ def _autoplan(make, mesh, loss_fn, batch, tx, memory_budget, styles, runners_up)
                         "constructor, lambda: GPT(cfg, rngs=nnx.Rngs(0))")
     blocks = _repeated(model)
     tensor = _tensor_sides(model, loss_fn, batch) if set(styles) & set(_TENSOR) else {}
+    experts = _mixtures(model) if "ep" in styles else ()
+    tensor.update((pattern, "experts") for pattern in experts)
     machine = _machine(mesh)
     priced, rejected, traces = [], [], {}
     # a pipeline takes blocks whose state is their parameters, as parallelize does: no plan it would refuse
     depth = len(list(_at(model, blocks))) if blocks is not None and blocks_differ(list(_at(model, blocks))) is None \
         else 0
-    for roles in _candidates(mesh, styles, batch, depth):
+    for roles in _candidates(mesh, tuple(s for s in styles if s != "ep" or experts), batch, depth):
         name = role_names(roles)
         try:
             priced.append(_priced(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, machine, traces))
@@ -218,9 +223,9 @@ def _candidates(mesh: Mesh, styles: tuple[str, ...], batch: tuple, depth: int) -
     rows = min((b.shape[0] for b in batch if b.shape), default=1)
     seen, out = set(), []
     for combo in itertools.product(*options):
-        if sum(r in _TENSOR for r in combo) > 1 or combo.count("cp") > 1 or combo.count("pp") > 1:
+        if sum(r in _TENSOR for r in combo) > 1 or any(combo.count(r) > 1 for r in ("cp", "pp", "ep")):
             continue
-        data = math.prod(sizes[a] for a, r in zip(names, combo, strict=True) if r in ("dp", "fsdp"))
+        data = math.prod(sizes[a] for a, r in zip(names, combo, strict=True) if r in _BATCH)
         if rows % data:
             continue
         stages = [sizes[a] for a, r in zip(names, combo, strict=True) if r == "pp"]
@@ -253,10 +258,15 @@ def _styles_of(roles: dict[str, str], tensor: dict, blocks: tuple | None = None,
             plan[""] = (ContextParallel(axis),)
         if role == "pp":
             plan[module_key(blocks, any_index=True)] = (PipelineParallel(axis, microbatches=microbatches),)
+        if role == "ep":
+            for pattern in (p for p, side in tensor.items() if side == "experts"):
+                plan[pattern] = (*plan.get(pattern, ()), ExpertParallel(axis))
         if role not in _TENSOR:
             continue
         seq = role == "sp"
         for pattern, side in tensor.items():
+            if side == "experts":  # a mixture's experts: whole on the tensor axis
+                continue
             if side == "col":
                 style = ColwiseParallel(axis)
             elif side in ("row", "embed"):
@@ -280,7 +290,7 @@ class _Whole(FullyShard):
 def _batch_placements(mesh: Mesh, roles: dict[str, str], batch: tuple) -> tuple[tuple[Placement, ...], ...]:
     """The batch split over the data axes; its sequence dim (1) laid out as context parallelism takes it."""
     def placement(axis, b):
-        if roles[axis] in ("dp", "fsdp") and b.shape:
+        if roles[axis] in _BATCH and b.shape:
             return Shard(0)
         if roles[axis] == "cp" and len(b.shape) >= 2:
             return ContextParallel(axis).sequence(b.shape[1], mesh.shape[axis])
@@ -291,6 +301,20 @@ def _batch_placements(mesh: Mesh, roles: dict[str, str], batch: tuple) -> tuple[
 
 # ---------------------------------------------------------------------------------------------------
 # the model's structure
+
+
+def _mixtures(model: nnx.Module) -> tuple[str, ...]:
+    """The plan patterns of the model's mixtures of experts (``ExpertParallel``'s modules): modules whose own
+    parameters of rank 3 share one leading dim, the expert count (``[E, D, H]``), written for every block alike."""
+    found = {}
+    for path, node in nnx.iter_graph(model):
+        if not isinstance(node, nnx.Module):
+            continue
+        leading = [np.shape(v.get_value())[0] for v in vars(node).values()
+                   if isinstance(v, nnx.Param) and np.ndim(v.get_value()) == 3]
+        if len(leading) >= 2 and len(set(leading)) == 1 and leading[0] > 1:
+            found[module_key(tuple(path), any_index=True)] = None
+    return tuple(found)
 
 
 def _repeated(model: nnx.Module) -> tuple | None:
@@ -419,7 +443,7 @@ def _priced(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, machine: Mac
     canonical_roles = {names[a]: r for a, r in roles.items()}
     depth = len(list(_at(model, blocks))) if blocks is not None else 1
     stages = [mesh.shape[a] for a, r in roles.items() if r == "pp"]
-    data = math.prod(mesh.shape[a] for a, r in roles.items() if r in ("dp", "fsdp"))
+    data = math.prod(mesh.shape[a] for a, r in roles.items() if r in _BATCH)
     micro = _microbatches(stages[0], min(b.shape[0] for b in batch if b.shape), data) if stages else None
     plan, default = _styles_of(canonical_roles, tensor, blocks, micro, pricing=True)
     placements = _batch_placements(canonical, canonical_roles, batch)

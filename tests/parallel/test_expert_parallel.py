@@ -168,3 +168,25 @@ def test_a_state_saved_under_ep4_resumes_under_ep2_ep8_and_one_device(tmp_path):
         layout = tuple(Shard(0) if a == ep else R for a in mesh2.axis_names) if mesh2.size > 1 else (R,)
         got = [float(resumed(*(jshard.distribute(a, mesh2, layout) for a in b))) for b in run[2:]]
         np.testing.assert_allclose(got, want, rtol=2e-5)
+
+
+def test_autoplan_searches_an_expert_role():
+    """autoplan offers ``ep`` where the model has mixtures: the experts split over the axis and the batch with them;
+    the plan it builds keeps them there and trains like one device."""
+    from jshard.parallel import autoplan
+
+    mesh = make_mesh((2, 4))
+    spec = jax.ShapeDtypeStruct((B, T), jnp.int32)
+    found = autoplan(moe_gpt, mesh, loss_fn, spec, spec, styles=("dp", "ep"), runners_up=10)
+    plans = {p.name: p for p in (found, *found.runners_up)}
+    ep = plans["dp(dp)+ep(tp)"]
+    assert ep.styles["blocks/*/moe"] == (ExpertParallel("tp"),) and ep.batch[0] == (Shard(0), Shard(0))
+    assert ep.memory.params < plans["dp(dp)+dp(tp)"].memory.params  # a quarter of the experts a device
+    step, ref = TrainStep(parallelize(moe_gpt, mesh, ep), optax.adamw(1e-2), loss_fn), one_device_trainer(
+        moe_gpt(), optax.adamw(1e-2), loss_fn)
+    for ids, labels in batches(2):
+        got = float(step(*(jshard.distribute(a, mesh, ep.batch[i]) for i, a in enumerate((ids, labels)))))
+        assert got == pytest.approx(ref(ids, labels), rel=1e-5)
+    # a model without mixtures is offered no expert role
+    dense = autoplan(lambda: GPT(V, D, H, 1, T, rngs=nnx.Rngs(0)), mesh, loss_fn, spec, spec, styles=("dp", "ep"))
+    assert all("ep" not in p.roles.values() for p in (dense, *dense.runners_up))
