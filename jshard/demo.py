@@ -38,7 +38,8 @@ all-to-all; the load imbalance (the most tokens an expert took over the mean) is
 bias balancing it (DeepSeek-V3's rule; not inside a pipeline yet).
 
 With ``--style auto`` the plan is ``jshard.parallel.autoplan``'s: every assignment of its roles (data, fully sharded
-data, tensor, sequence, context, pipeline parallelism: ``jshard.parallel.search.ROLES``) to the mesh axes is priced
+data, tensor, sequence, context, pipeline parallelism, and expert parallelism for a model with mixtures:
+``jshard.parallel.search.ROLES``) to the mesh axes is priced
 on the demo's own training step, and the fastest whose predicted memory per device fits ``--memory-budget`` (when given)
 is trained, its table (``Plan.explain``) printed first; the batch is placed as the plan says. The default mesh is
 ``a=2,b=4`` (any ``--mesh`` works: the plan gives the axes their roles, whatever their names). When no plan fits the
