@@ -190,3 +190,15 @@ def test_autoplan_searches_an_expert_role():
     # a model without mixtures is offered no expert role
     dense = autoplan(lambda: GPT(V, D, H, 1, T, rngs=nnx.Rngs(0)), mesh, loss_fn, spec, spec, styles=("dp", "ep"))
     assert all("ep" not in p.roles.values() for p in (dense, *dense.runners_up))
+
+
+@pytest.mark.slow
+def test_expert_parallelism_beside_context_parallelism_trains_like_one_device():
+    mesh = make_mesh((2, 4))
+    styles, default = plan("cp+ep", cp="dp", ep="tp")
+    layout = (styles[""].on(mesh).sequence(T, 2), Shard(0))  # the sequence over cp, the batch over ep
+    step = TrainStep(parallelize(moe_gpt, mesh, styles, default=default), optax.adamw(1e-2), loss_fn)
+    ref = one_device_trainer(moe_gpt(), optax.adamw(1e-2), loss_fn)
+    for ids, labels in batches(2):
+        got = float(step(*(jshard.distribute(a, mesh, layout) for a in (ids, labels))))
+        assert got == pytest.approx(ref(ids, labels), rel=1e-5)
