@@ -688,8 +688,109 @@ print(f"the tightest budget's plan compiles to {last_mb / first_mb:.0%} of the u
 assert last_mb < first_mb'''),
 ]
 
+EXPERTS = [
+    title("05_mixture_of_experts.ipynb",
+          "# jshard 5: mixtures of experts\n"
+          "A mixture of experts sends each token to the few experts its router chooses. `jshard.experts` does it "
+          "dropless (every token computed, whatever the routing); under `jshard.jit` it is one equation that keeps "
+          "the experts where they are and sends the tokens to them by all-to-all, in rounds of a fixed size. Every "
+          "cell checks its claims against a dense mixture or one device."),
+    ("code", INSTALL),
+    ("code", SETUP),
+    ("md", "## Routing, drawn\n16 tokens, 8 experts, 2 a token: the weights each token gives its experts (the "
+           "softmax of its two largest logits), and the tokens each expert takes."),
+    ("code", '''import matplotlib.pyplot as plt
+from jshard.moe import imbalance, route
+rng = np.random.default_rng(0)
+E, K, D, H = 8, 2, 16, 32
+x, logits = rng.normal(size=(16, D)).astype(np.float32), rng.normal(size=(16, E)).astype(np.float32)
+up, gate = (rng.normal(size=(E, D, H)).astype(np.float32) / 4 for _ in range(2))
+down = rng.normal(size=(E, H, D)).astype(np.float32) / 6
+idx, w = route(logits, K)
+weights = np.zeros((16, E)); np.put_along_axis(weights, np.asarray(idx), np.asarray(w), axis=1)
+out, load = jshard.experts(x, logits, up, down, top_k=K, w_gate=gate, return_load=True)
+dense = sum(weights[:, [e]] * ((jax.nn.silu(x @ gate[e]) * (x @ up[e])) @ down[e]) for e in range(E))
+assert np.allclose(out, dense, atol=1e-4) and load.tolist() == weights.astype(bool).sum(0).tolist()
+fig, (route_ax, load_ax) = plt.subplots(1, 2, figsize=(10, 3.2))
+route_ax.imshow(weights.T, cmap="Blues", aspect="auto"); route_ax.set_xlabel("token"); route_ax.set_ylabel("expert")
+route_ax.set_title("routing weights")
+load_ax.bar(range(E), np.asarray(load)); load_ax.set_xlabel("expert"); load_ax.set_ylabel("tokens")
+load_ax.set_title(f"load (imbalance {imbalance(load):.2f}: the most over the mean)")
+plt.tight_layout(); plt.show()'''),
+    ("md", "## The experts stay, the tokens travel\nA block adds the mixture's output to its input. With 1,024 "
+           "tokens and 8 experts split over all 8 devices (one expert a device, the tokens split alike), each "
+           "device sends its tokens' copies to the devices holding their experts and takes the results back: "
+           "`explain` shows the all-to-alls (a round's copies out, their slots, the results home), and no expert "
+           "weight moves."),
+    ("code", '''D2, H2 = 64, 256
+tokens = rng.normal(size=(1024, D2)).astype(np.float32)
+router = rng.normal(size=(1024, E)).astype(np.float32)
+up2, gate2 = (rng.normal(size=(E, D2, H2)).astype(np.float32) / 8 for _ in range(2))
+down2 = rng.normal(size=(E, H2, D2)).astype(np.float32) / 16
+split = lambda a: jshard.distribute(a, mesh, [Shard(0), Shard(0)])
+args = [split(a) for a in (tokens, router, up2, down2, gate2)]
+block = lambda x, l, u, d, g: x + jshard.experts(x, l, u, d, top_k=K, w_gate=g)
+explained = jshard.explain(block, *args)
+print(explained)
+got = jshard.jit(block)(*args)
+assert np.allclose(got.full(), block(tokens, router, up2, down2, gate2), atol=1e-3)
+assert set(explained.totals) == {"all_to_all"}'''),
+    ("md", "## Training, with and without the balancer\nA GPT whose every block's MLP is a mixture of 8 experts "
+           "(`GPT(..., experts=8)`), the experts split over `tp` by `ExpertParallel`, trained against one device. "
+           "`balance=rate` moves each expert's routing bias by `rate` towards the mean load after every step "
+           "(DeepSeek-V3's rule); `balance=0.0` counts the load and leaves the routing alone."),
+    ("code", '''import optax
+from flax import nnx
+from jshard.gpt import GPT, cross_entropy, one_device_trainer, plan
+from jshard.parallel import TrainStep, parallelize
+loss_fn = lambda m, ids, labels: cross_entropy(m(ids), labels)
+styles, default = plan("dp+ep", ep="tp")
+data = rng.integers(0, 64, (12, 8, 17)).astype(np.int32)
+curves, losses = {}, {}
+for rate in (0.0, 0.05):
+    make = lambda: GPT(64, 32, 4, 2, 16, rngs=nnx.Rngs(0), experts=8, top_k=2, balance=rate)
+    step = TrainStep(parallelize(make, mesh, styles, default=default), optax.adamw(3e-3), loss_fn)
+    ref = one_device_trainer(make(), optax.adamw(3e-3), loss_fn)
+    curves[rate], losses[rate] = [], []
+    for batch in data:
+        ids, labels = batch[:, :-1], batch[:, 1:]
+        losses[rate].append(float(step(*(jshard.distribute(a, mesh, [Shard(0), Shard(0)]) for a in (ids, labels)))))
+        assert abs(losses[rate][-1] - ref(ids, labels)) < 1e-4 * abs(losses[rate][-1])
+        curves[rate].append(max(imbalance(b.moe.load.get_value().full()) for b in step.model.blocks))
+print({r: [round(v, 2) for v in c] for r, c in curves.items()})
+fig, ax = plt.subplots(figsize=(7, 3))
+for rate, c in curves.items():
+    ax.plot(range(1, len(c) + 1), c, marker="o", label=f"balance={rate}")
+ax.set_xlabel("step"); ax.set_ylabel("load imbalance (max / mean)"); ax.legend(); plt.show()
+assert np.mean(curves[0.05][-4:]) <= np.mean(curves[0.0][-4:])'''),
+    ("md", "## Memory and step time against the expert count\nMore experts, 2 a token: the parameters grow with "
+           "the count, split 4 ways over `tp`, while the work a token costs stays the same."),
+    ("code", '''import time
+counts, mem_mb, step_ms = (4, 8, 16, 32), [], []
+ids = jshard.distribute(data[0][:, :-1], mesh, [Shard(0), Shard(0)])
+labels = jshard.distribute(data[0][:, 1:], mesh, [Shard(0), Shard(0)])
+for e in counts:
+    make = lambda: GPT(64, 32, 4, 2, 16, rngs=nnx.Rngs(0), experts=e, top_k=2)
+    step = TrainStep(parallelize(make, mesh, styles, default=default), optax.adamw(3e-3), loss_fn)
+    m = step.lower(ids, labels).compile().memory_analysis()
+    mem_mb.append((m.temp_size_in_bytes + m.argument_size_in_bytes) / 2**20)
+    step(ids, labels)
+    times = []
+    for _ in range(3):
+        t = time.perf_counter(); float(step(ids, labels)); times.append(time.perf_counter() - t)
+    step_ms.append(1e3 * sorted(times)[1])
+    assert step.model.blocks[0].moe.w_up.get_value().spec.local_block_shape[0] == e // 4
+print([f"{e} experts: {m:.2f} MB, {t:.1f} ms" for e, m, t in zip(counts, mem_mb, step_ms)])
+fig, (mem_ax, time_ax) = plt.subplots(1, 2, figsize=(10, 3.2))
+mem_ax.plot(counts, mem_mb, marker="o"); mem_ax.set_xlabel("experts"); mem_ax.set_ylabel("MB per device")
+time_ax.plot(counts, step_ms, marker="o", color="tab:orange"); time_ax.set_xlabel("experts")
+time_ax.set_ylabel("ms per step"); plt.tight_layout(); plt.show()
+assert mem_mb[-1] > mem_mb[0]'''),
+]
+
 NOTEBOOKS = {"01_placements.ipynb": PLACEMENTS, "02_flax_tensor_parallel.ipynb": FLAX,
-             "03_large_models_and_checkpoints.ipynb": LARGE, "04_long_context_and_deep_models.ipynb": LONG}
+             "03_large_models_and_checkpoints.ipynb": LARGE, "04_long_context_and_deep_models.ipynb": LONG,
+             "05_mixture_of_experts.ipynb": EXPERTS}
 
 
 def notebook(cells) -> dict:

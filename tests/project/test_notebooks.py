@@ -52,7 +52,7 @@ def test_plots_are_where_the_notebooks_say():
     time against sequence length)."""
     plotted = {n for n in NAMES if _figure_cells(build.notebook(build.NOTEBOOKS[n]))}
     assert plotted == {"02_flax_tensor_parallel.ipynb", "03_large_models_and_checkpoints.ipynb",
-                       "04_long_context_and_deep_models.ipynb"}
+                       "04_long_context_and_deep_models.ipynb", "05_mixture_of_experts.ipynb"}
     assert "matplotlib.use" not in open(os.path.join(HERE, "build.py")).read()  # no backend forced
 
 
