@@ -94,6 +94,23 @@ def loss_fn(model, ids, labels):
     return cross_entropy(model(ids), labels)
 
 
+def plain_step(graphdef, tx):
+    """A training step under plain ``jax.jit``: ``(params, opt_state, rest, ids, labels) -> (params, opt_state,
+    rest, loss)``, the state the forward pass updates (the mixtures' counts) carried as ``TrainStep`` does."""
+
+    @jax.jit
+    def step(params, opt_state, rest, ids, labels):
+        def loss_of(p):
+            m = nnx.merge(graphdef, p, rest, copy=True)
+            return loss_fn(m, ids, labels), nnx.split(m, nnx.Param, ...)[2]
+
+        (loss, rest), g = jax.value_and_grad(loss_of, has_aux=True)(params)
+        updates, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, rest, loss
+
+    return step
+
+
 def traffic(compiled) -> tuple[int, int]:
     _, received = hlo_traffic(compiled.as_text())
     m = compiled.memory_analysis()
@@ -149,15 +166,7 @@ def run(model_name, mesh_name, steps, batches):
     batch_sharding = NamedSharding(auto, PartitionSpec(batch_axes))
     jbatches = [[jax.device_put(a, batch_sharding) for a in b] for b in batches]
 
-    @jax.jit
-    def plain(params, opt_state, rest, ids, labels):
-        def loss_of(p):
-            m = nnx.merge(graphdef, p, rest, copy=True)
-            return loss_fn(m, ids, labels), nnx.split(m, nnx.Param, ...)[2]
-
-        (loss, rest), g = jax.value_and_grad(loss_of, has_aux=True)(params)
-        updates, opt_state = tx.update(g, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, rest, loss
+    plain = plain_step(graphdef, tx)
 
     state = [params, opt_state, rest]
     t0 = time.perf_counter()
@@ -188,15 +197,7 @@ def one_device(model_name, steps, batches):
     graphdef, params, rest = nnx.split(make(experts, top_k)(), nnx.Param, ...)
     tx = optax.adamw(1e-3)
 
-    @jax.jit
-    def plain(params, opt_state, rest, ids, labels):
-        def loss_of(p):
-            m = nnx.merge(graphdef, p, rest, copy=True)
-            return loss_fn(m, ids, labels), nnx.split(m, nnx.Param, ...)[2]
-
-        (loss, rest), g = jax.value_and_grad(loss_of, has_aux=True)(params)
-        updates, opt_state = tx.update(g, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, rest, loss
+    plain = plain_step(graphdef, tx)
 
     state = [params, tx.init(params), rest]
     losses = []

@@ -206,3 +206,15 @@ def tree_scale(tree) -> float:
     import jax
 
     return max(float(np.max(np.abs(np.asarray(a)))) for a in jax.tree.leaves(tree))
+
+
+def train_alongside(step, reference, mesh, layout, batches) -> tuple[list[float], list[float]]:
+    """The losses of ``step`` (a ``TrainStep``, each batch's arrays placed as ``layout`` on ``mesh``) and of
+    ``reference`` (``jshard.gpt.one_device_trainer``) over ``batches``, step by step."""
+    import jshard
+
+    ours, theirs = [], []
+    for batch in batches:
+        ours.append(float(step(*(jshard.distribute(a, mesh, layout) for a in batch))))
+        theirs.append(reference(*batch))
+    return ours, theirs

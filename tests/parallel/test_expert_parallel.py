@@ -16,7 +16,7 @@ from jshard import Replicate, Shard
 from jshard.gpt import GPT, cross_entropy, one_device_trainer, plan, summed_terms
 from jshard.parallel import ExpertParallel, TrainStep, UnplacedParameter, parallelize, placements_of
 from jshard.validate.tolerance import curve_ratio
-from oracle import assert_close, tree_scale
+from oracle import assert_close, train_alongside, tree_scale
 
 R = Replicate()
 V, D, H, L, T, B, E = 64, 32, 4, 2, 16, 8, 8
@@ -72,10 +72,7 @@ def test_a_mixture_of_experts_gpt_trains_like_one_device(shape, style, axes, dat
     before = placements_of(nnx.state(model, nnx.Param))
     tx = optax.adamw(1e-2, eps=1e-4)
     step, ref = TrainStep(model, tx, loss_fn), one_device_trainer(moe_gpt(), tx, loss_fn)
-    losses, want = [], []
-    for ids, labels in batches(3):
-        losses.append(float(step(*(jshard.distribute(a, mesh, data) for a in (ids, labels)))))
-        want.append(ref(ids, labels))
+    losses, want = train_alongside(step, ref, mesh, data, batches(3))
     assert curve_ratio(losses, want, n_per_step=N // 3) <= 1, (losses, want)
     assert placements_of(nnx.state(step.model, nnx.Param)) == before
     got, ref_params = nnx.state(step.model, nnx.Param), ref.params()

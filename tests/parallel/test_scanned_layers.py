@@ -26,7 +26,7 @@ from jshard.parallel import (
     placements_of,
 )
 from jshard.validate.tolerance import curve_ratio
-from oracle import assert_close, tree_scale
+from oracle import assert_close, train_alongside, tree_scale
 
 R = Replicate()
 V, D, H, L, T, B = 64, 32, 4, 3, 16, 8
@@ -92,10 +92,7 @@ def test_a_scanned_model_trains_like_one_device(mesh_shape, style):
         data = (Shard(0), styles[""].on(mesh).sequence(T, mesh.shape[names[-1]]))
     else:
         data = (Shard(0),) + (R,) * (len(mesh_shape) - 1)
-    losses, want = [], []
-    for ids, labels in batches(3):
-        losses.append(float(step(*(jshard.distribute(a, mesh, data) for a in (ids, labels)))))
-        want.append(ref(ids, labels))
+    losses, want = train_alongside(step, ref, mesh, data, batches(3))
     assert curve_ratio(losses, want, n_per_step=N // 3) <= 1, (losses, want)
     assert placements_of(nnx.state(step.model, nnx.Param)) == before
     got, ref_params = nnx.state(step.model, nnx.Param), ref.params()
@@ -199,10 +196,7 @@ def test_a_pipelined_stack_of_layers_trains_like_one_device(mesh_shape, style, s
     tx = optax.adamw(1e-2, eps=1e-4)
     step, ref = TrainStep(model, tx, loss_fn), one_device_trainer(four_layers(), tx, loss_fn)
     data = (R,) * len(mesh_shape) if "fsdp" not in style else (R, Shard(0))
-    losses, want = [], []
-    for ids, labels in batches(3):
-        losses.append(float(step(*(jshard.distribute(a, mesh, data) for a in (ids, labels)))))
-        want.append(ref(ids, labels))
+    losses, want = train_alongside(step, ref, mesh, data, batches(3))
     n = summed_terms(V, D, 4, T, B, steps=3)
     assert curve_ratio(losses, want, n_per_step=n // 3) <= 1, (losses, want)
     got, ref_params = nnx.state(step.model, nnx.Param), ref.params()
