@@ -19,6 +19,15 @@ the first block's call (its input is the pipeline's), once with the blocks stand
 given to it, the last block the pipeline's output), so what follows is the tail. A model whose blocks are not one
 chain (``x = block(x)`` in order, each once, nothing else reading a block's output) is refused with an error.
 
+A module that stacks its layers already (built by ``nnx.vmap``, run by the model's own ``nnx.scan``) stays where
+it is, its layer dim split along the pipeline axis (``StackedStages``). Python cannot stop inside a scan's body, so
+its three parts are cut from the loss's jaxpr at the one ``scan`` over the stack (``_ScanCut``): what computes its
+carry, its body, what reads its result.
+
+This module is pipelining's side of two hooks: ``PipelineParallel.restructure`` answers ``parallelize`` with
+``Stages`` or ``StackedStages``, and the module installed carries a ``PipelineStep`` as its ``jshard_step``, from
+which ``TrainStep`` takes the step.
+
 >>> import jax, jax.numpy as jnp, numpy as np, optax, jshard
 >>> from flax import nnx
 >>> from jshard.parallel import PipelineParallel, TrainStep, parallelize
