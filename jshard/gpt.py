@@ -34,6 +34,7 @@ from .parallel.styles import (
     ColwiseParallel,
     ContextParallel,
     ExpertParallel,
+    ExpertTensorParallel,
     FullyShard,
     ParallelStyle,
     PipelineParallel,
@@ -171,7 +172,8 @@ def plan(style: str, dp: str = "dp", tp: str = "tp", cp: str = "cp", method: str
     ``blocks/*/q``); each style places a stacked parameter as it places one layer's. ``ep`` is expert parallelism
     on axis ``ep`` (``ExpertParallel`` on every block's ``moe``; the axis may also be the data axis, ``ep="dp"``);
     ``experts`` says the model's blocks hold mixtures of experts (``GPT(..., experts=E)``; by default, when the
-    style has ``ep``), whose expert weights tensor parallelism leaves whole.
+    style has ``ep``), whose expert weights tensor parallelism splits on their hidden dim
+    (``ExpertTensorParallel``).
 
     >>> plan("tp")[0]["blocks/*/o"]
     RowwiseParallel(axis='tp', input=None, output=R)
@@ -180,7 +182,9 @@ def plan(style: str, dp: str = "dp", tp: str = "tp", cp: str = "cp", method: str
     >>> plan("pp+tp", microbatches=8)[0]["blocks"].microbatches
     8
     >>> plan("dp+ep")[0]
-    {'blocks/*/moe': ExpertParallel(axis='ep', input=None, output=None, experts=None)}
+    {'blocks/*/moe': (ExpertParallel(axis='ep', input=None, output=None, experts=None),)}
+    >>> [type(s).__name__ for s in plan("ep+tp")[0]["blocks/*/moe"]]
+    ['ExpertParallel', 'ExpertTensorParallel']
     """
     parts = style.split("+") if isinstance(style, str) else []
     known = ("tp", "sp", "fsdp", "dp", "cp", "pp", "ep")
@@ -198,7 +202,8 @@ def plan(style: str, dp: str = "dp", tp: str = "tp", cp: str = "cp", method: str
     if "tp" in parts or "sp" in parts:
         styles.update(_tensor_parallel(tp, "sp" in parts, blocks, "ep" in parts if experts is None else experts))
     if "ep" in parts:
-        styles[f"{blocks}/moe"] = ExpertParallel(ep)
+        styles[f"{blocks}/moe"] = (ExpertParallel(ep), *([styles[f"{blocks}/moe"]] if f"{blocks}/moe" in styles
+                                                         else []))
     if "cp" in parts:
         # the model's ids in, its logits out: sequence-sharded on cp, every attention inside crossing cp by method
         styles[""] = ContextParallel(cp, method=method)
@@ -245,7 +250,8 @@ def _tensor_parallel(tp: str, sp: bool, blocks: str, experts: bool) -> dict:
     """Megatron's plan on ``tp``, with sequence parallelism's norms where ``sp``; ``blocks`` matches every block (its
     MLP a mixture of experts where ``experts``, left whole)."""
     row = RowwiseParallel(tp, output=Shard(1) if sp else RowwiseParallel.output)
-    mlp = {} if experts else {f"{blocks}/up": ColwiseParallel(tp), f"{blocks}/down": row}
+    mlp = {f"{blocks}/moe": ExpertTensorParallel(tp)} if experts else {f"{blocks}/up": ColwiseParallel(tp),
+                                                                        f"{blocks}/down": row}
     styles = {**{f"{blocks}/{name}": ColwiseParallel(tp) for name in ("q", "k", "v")}, **mlp,
               f"{blocks}/o": row,
               "head": ColwiseParallel(tp),

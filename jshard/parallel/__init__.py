@@ -16,6 +16,7 @@ from .styles import (
     ContextParallel,
     DataParallel,
     ExpertParallel,
+    ExpertTensorParallel,
     FullyShard,
     Layout,
     ParallelStyle,
@@ -28,7 +29,8 @@ from .styles import (
 )
 from .training import TrainStep, init_optimizer
 
-__all__ = ["ColwiseParallel", "ContextParallel", "DataParallel", "ExpertParallel", "FullyShard", "Layout", "Memory",
+__all__ = ["ColwiseParallel", "ContextParallel", "DataParallel", "ExpertParallel", "ExpertTensorParallel",
+           "FullyShard", "Layout", "Memory",
            "ParallelStyle", "PipelineParallel", "Plan", "RowwiseParallel", "SequenceParallel", "TrainStep",
            "UnplacedParameter", "autoplan", "init_optimizer", "layout", "parallelize", "placements_of",
            "style_classes"]

@@ -63,7 +63,8 @@ from ..sharded_attention import METHODS, attention_method, balanced
 from .schedule import SCHEDULES
 from .stages import StackedStages, Stages
 
-__all__ = ["ColwiseParallel", "ContextParallel", "DataParallel", "ExpertParallel", "FullyShard", "Layout",
+__all__ = ["ColwiseParallel", "ContextParallel", "DataParallel", "ExpertParallel", "ExpertTensorParallel",
+           "FullyShard", "Layout",
            "ParallelStyle", "PipelineParallel", "RowwiseParallel", "SequenceParallel", "UnplacedParameter", "is_array",
            "layout", "stack_depth", "style_classes"]
 
@@ -401,6 +402,65 @@ class ExpertParallel(ParallelStyle):
                                                    f"rank 3 ([E, D, H]), whose leading dims are {sorted(leading)}; "
                                                    "pass experts=E")
         return leading.pop()
+
+
+@dataclass(frozen=True)
+class ExpertTensorParallel(ParallelStyle):
+    """The experts' hidden dim split over ``axis``, as column then row parallelism split a dense MLP (torchtitan's
+    expert tensor parallelism): matched on a mixture (the module ``ExpertParallel`` takes), the weights into the
+    hidden dim (``[E, D, H]``: ``w_up``, ``w_gate``) ``Shard(2)``, the one out of it (``[E, H, D]``: ``w_down``)
+    ``Shard(1)``, kept there while the module runs; its output is a partial sum over the axis. Which is which it
+    reads from the shapes: the orientation two weights share (a gated MLP's) goes in; with one of each, the names
+    (``down``, ``out``, ``wo``, ``w2`` come out; ``up``, ``gate``, ``in``, ``wi``, ``w1``, ``w3`` go in).
+
+    >>> import numpy as np
+    >>> from flax import nnx
+    >>> class MoE(nnx.Module):
+    ...     def __init__(self):
+    ...         self.w_up, self.w_gate = nnx.Param(np.zeros((8, 4, 16))), nnx.Param(np.zeros((8, 4, 16)))
+    ...         self.w_down = nnx.Param(np.zeros((8, 16, 4)))
+    >>> style = ExpertTensorParallel("tp")
+    >>> style.param(MoE(), "w_gate", (8, 4, 16)), style.param(MoE(), "w_down", (8, 16, 4))
+    (S(2), S(1))
+    """
+
+    axis: str = "tp"
+
+    def param(self, module, name, shape):
+        experts = [(n, np.shape(v.get_value())) for n, v in vars(module).items()
+                   if isinstance(v, nnx.Param) and np.ndim(v.get_value()) == 3]
+        if len(shape) != 3 or not experts or (name, tuple(shape)) not in [(n, tuple(s)) for n, s in experts]:
+            return R
+        kinds = {}
+        for _, s in experts:
+            kinds[s[1:]] = kinds.get(s[1:], 0) + 1
+        if len(kinds) != 2 or tuple(reversed(next(iter(kinds)))) not in kinds:
+            raise self.refuse(module, name, shape, "it reads a mixture's weights by their shapes, [E, D, H] into the "
+                                                   "hidden dim and [E, H, D] out of it, and finds "
+                                                   f"{sorted(s for _, s in experts)}")
+        into = max(kinds, key=kinds.get) if len(set(kinds.values())) == 2 else None
+        if into is None:  # one of each: a name says which
+            said = {n: _said(n) for n, _ in experts}
+            if sorted(said.values(), key=str) != ["in", "out"]:
+                raise self.refuse(module, name, shape, "it tells a mixture's two weights apart by their names when "
+                                                       "their shapes do not, and no name says which weight comes out "
+                                                       "of the hidden dim (down, out, wo, w2) and which goes in (up, "
+                                                       f"gate, in, wi, w1, w3): {sorted(said)}")
+            return Shard(1) if said[name] == "out" else Shard(2)
+        return Shard(2) if tuple(shape[1:]) == into else Shard(1)
+
+    def pin(self, module, name, shape):
+        placed = self.param(module, name, shape)
+        return placed if placed != R else None
+
+
+def _said(name: str) -> str | None:
+    """Whether a mixture's weight of this name goes into its experts' hidden dim or comes out of it (None: the name
+    does not say)."""
+    low = name.lower()
+    if any(w in low for w in ("down", "out", "wo", "w2")):
+        return "out"
+    return "in" if any(w in low for w in ("up", "gate", "in", "wi", "w1", "w3")) else None
 
 
 @dataclass(frozen=True)

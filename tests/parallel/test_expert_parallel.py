@@ -14,7 +14,14 @@ import jshard
 from conftest import make_mesh
 from jshard import Replicate, Shard
 from jshard.gpt import GPT, cross_entropy, one_device_trainer, plan, summed_terms
-from jshard.parallel import ExpertParallel, TrainStep, UnplacedParameter, parallelize, placements_of
+from jshard.parallel import (
+    ExpertParallel,
+    ExpertTensorParallel,
+    TrainStep,
+    UnplacedParameter,
+    parallelize,
+    placements_of,
+)
 from jshard.validate.tolerance import curve_ratio
 from oracle import assert_close, train_alongside, tree_scale
 
@@ -199,3 +206,31 @@ def test_expert_parallelism_beside_context_parallelism_trains_like_one_device():
     for ids, labels in batches(2):
         got = float(step(*(jshard.distribute(a, mesh, layout) for a in (ids, labels))))
         assert got == pytest.approx(ref(ids, labels), rel=1e-5)
+
+
+def test_expert_tensor_parallel_splits_the_hidden_dim_beside_the_expert_split():
+    mesh = make_mesh((2, 4))
+    styles, default = plan("ep+tp", ep="dp", tp="tp")
+    model = parallelize(moe_gpt, mesh, styles, default=default)
+    moe = model.blocks[0].moe
+    assert moe.w_up.get_value().placements == (Shard(0), Shard(2)) == moe.w_gate.get_value().placements
+    assert moe.w_down.get_value().placements == (Shard(0), Shard(1))
+    step = TrainStep(model, optax.sgd(0.1), loss_fn)
+    ex = step.explain(*(jshard.distribute(a, mesh, (Shard(0), R)) for a in batches(1)[0]))
+    experts = {tuple(v.get_value().shape) for v in (moe.w_up, moe.w_down)}
+    assert not [m for r in ex.rows for m in r["moves"] if tuple(r["ins"][m[0]].shape) in experts]
+    units = [r for r in ex.rows if r["primitive"] == "jshard.experts_fwd"]
+    assert units and all(r["outs"][0].placements[1].is_partial for r in units)  # a partial sum over tp
+
+    class Unnamed(nnx.Module):  # one weight each way, and names that do not say which is which
+        def __init__(self):
+            self.a, self.b = nnx.Param(np.zeros((8, 4, 6))), nnx.Param(np.zeros((8, 6, 4)))
+
+    class Named(Unnamed):
+        def __init__(self):
+            self.w1, self.w2 = nnx.Param(np.zeros((8, 4, 6))), nnx.Param(np.zeros((8, 6, 4)))
+
+    assert ExpertTensorParallel("tp").param(Named(), "w2", (8, 6, 4)) == Shard(1)  # torchtitan's names
+    assert ExpertTensorParallel("tp").param(Named(), "w1", (8, 4, 6)) == Shard(2)
+    with pytest.raises(UnplacedParameter, match=r"name says which weight comes out of the hidden dim"):
+        ExpertTensorParallel("tp").param(Unnamed(), "b", (8, 6, 4))
