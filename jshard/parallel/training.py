@@ -112,7 +112,7 @@ class TrainStep:
             raise ValueError(f"TrainStep: {type(model).__name__} takes its step by {hooks[0][1].label} and holds state "
                              f"besides its parameters ({kind}: RNG streams for dropout, batch statistics), which such "
                              "a step does not carry yet; keep that state out of the model (pass rngs to the layers "
-                             f"that draw) or train it without {type(hooks[0][1].style).__name__}")
+                             f"that draw) or train it without {hooks[0][1].label}")
         self._step = step_function(model, tx, loss_fn, donate=donate, cost_model=cost_model)
 
     def __call__(self, *batch) -> DArray:
