@@ -51,6 +51,7 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike
 
+from .caches import memo
 from .cost import Communication
 from .local import axis_index, valid_mask
 from .placements import Partial, Replicate
@@ -97,10 +98,7 @@ def experts(x: ArrayLike, router_logits: ArrayLike, w_up: ArrayLike, w_down: Arr
     out = out.reshape(*lead, d)
     if not return_load:
         return out
-    e = logits.shape[-1]
-    load = jnp.sum(idx.reshape(-1, top_k)[..., None] == jnp.arange(e, dtype=idx.dtype), axis=(0, 1),
-                   dtype=jnp.int32)
-    return out, load
+    return out, _counts(idx, logits.shape[-1])
 
 
 def route(router_logits: ArrayLike, top_k: int, *, router: str = "softmax",
@@ -143,8 +141,14 @@ def balance_loss(router_logits: ArrayLike, top_k: int) -> jax.Array:
     e = logits.shape[-1]
     logits = logits.reshape(-1, e)
     idx, _ = route(logits, top_k)
-    fraction = jnp.mean(jnp.sum(idx[..., None] == jnp.arange(e), axis=1), axis=0) / top_k
+    fraction = _counts(idx, e) / idx.size
     return e * jnp.sum(lax.stop_gradient(fraction) * jnp.mean(jax.nn.softmax(logits, axis=-1), axis=0))
+
+
+def _counts(idx: jax.Array, experts: int) -> jax.Array:
+    """The copies routed to each expert, ``[E]`` int32: a scatter-add (sharded tokens leave a partial sum, no
+    ``[T, k, E]`` one-hot is ever made)."""
+    return jnp.zeros((experts,), jnp.int32).at[idx.reshape(-1)].add(1)
 
 
 def balance_bias(bias: ArrayLike, load: ArrayLike, rate: float = 1e-3) -> jax.Array:
@@ -262,11 +266,22 @@ class _Roles:
                     self.group[e] = _linear([at[a] for a in self.others], [mesh.shape[a] for a in self.others])
                     self.slot[e] = j
         self.sizes = [mesh.shape[a] for a in self.others]
-        self.tiled = mesh.devices.flat[0].platform == "cpu"
+        self.mesh = mesh
+
+    @property
+    def tiled(self) -> bool:
+        """Whether the grouped products go in tiles (XLA:CPU; see ``_grouped_dot``)."""
+        return self.mesh.devices.flat[0].platform == "cpu"
 
     def mine(self):
         """This device's group along the other expert axes."""
         return _linear([axis_index(a) for a in self.others], self.sizes, jnp.int32(0))
+
+
+@memo(256)
+def _roles(x: Spec, w: Spec) -> _Roles:
+    """``_Roles`` of these specs, made once: the engine prices every candidate placement of the unit."""
+    return _Roles(x, w)
 
 
 def _linear(coords, sizes, zero=0):
@@ -453,7 +468,7 @@ def _split(params, blocks):
 
 
 def _forward_local(params, ins, outs):
-    roles = _Roles(ins[0], ins[3])
+    roles = _roles(ins[0], ins[3])
 
     def run(*blocks):
         x, idx, weights, w_up, w_gate, w_down, _ = _split(params, blocks)
@@ -464,7 +479,7 @@ def _forward_local(params, ins, outs):
 
 
 def _backward_local(params, ins, outs):
-    roles = _Roles(ins[0], ins[3])
+    roles = _roles(ins[0], ins[3])
 
     def run(*blocks):
         x, idx, weights, w_up, w_gate, w_down, (dy,) = _split(params, blocks)
@@ -476,7 +491,7 @@ def _backward_local(params, ins, outs):
 
 def _traffic(params, ins, outs, out_width: int, home_width: int) -> list[Communication]:
     """The all-to-alls of one round (the rounds a routing needs are known only as it runs: priced as one)."""
-    roles = _Roles(ins[0], ins[3])
+    roles = _roles(ins[0], ins[3])
     if roles.n == 1:
         return []
     t, k = ins[1].local_block_shape

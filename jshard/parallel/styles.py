@@ -9,8 +9,8 @@ one small interface:
   whether the input's gradient is constrained like the input;
 - ``compute``: where the module's parameters are while it runs (FSDP: gathered), None for as stored; a style
   with one also takes the parameters of the modules inside the module it is matched on (FSDP's unit);
-- ``pin(module, name, shape)``: a placement the module's own parameter is held at while it runs (ExpertParallel:
-  the experts where they are), None to leave it to the engine;
+- ``pin(module, name, shape)`` / ``keeps``: a placement the module's own parameter is held at while it runs
+  (ExpertParallel: the experts where they are), None to leave it to the engine;
 - ``context()``: a context manager the module's call runs in (ContextParallel: the attention method of its axis);
 - ``on(mesh)``: the style as it runs on a mesh (``parallelize`` asks once the plan is checked; ContextParallel
   learns its axis size there, for the balanced layout);
@@ -88,6 +88,7 @@ class ParallelStyle:
     output: Placement | None = None
     pin_input_gradient: ClassVar[bool] = True
     compute: ClassVar[Placement | None] = None  # the module's parameters while it runs (None: as stored)
+    keeps: ClassVar[bool] = False  # whether the parameters it splits stay so while the module runs (see ``pin``)
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -106,10 +107,14 @@ class ParallelStyle:
         return R
 
     def pin(self, module: nnx.Module, name: str, shape: tuple[int, ...]) -> Placement | None:
-        """The placement on ``self.axis`` that parameter ``name`` of ``module`` is pinned to while the module runs
-        (``ExpertParallel``: the experts where they are, so the tokens travel to them), None to leave it to the
-        engine (the default: the cost model may move a weight rather than the activations)."""
-        return None
+        """The placement on ``self.axis`` that parameter ``name`` of ``module`` is pinned to while the module runs,
+        None to leave it to the engine (the cost model may move a weight rather than the activations). A style
+        whose ``keeps`` is True pins each parameter it splits where ``param`` put it (``ExpertParallel``: the
+        experts stay, the tokens travel to them)."""
+        if not self.keeps:
+            return None
+        placed = self.param(module, name, shape)
+        return None if placed == R else placed
 
     def inputs(self, args: tuple, kwargs: dict) -> tuple[tuple[Placement | None, ...], dict[str, Placement | None]]:
         """The placements on ``self.axis`` of a call's arguments: one per positional argument and one per keyword
@@ -378,6 +383,7 @@ class ExpertParallel(ParallelStyle):
 
     axis: str = "ep"
     experts: int | None = None
+    keeps: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -389,10 +395,6 @@ class ExpertParallel(ParallelStyle):
     def param(self, module, name, shape):
         count = self.experts if self.experts is not None else self._count(module, name, shape)
         return Shard(0) if len(shape) >= 2 and shape[0] == count else R
-
-    def pin(self, module, name, shape):
-        placed = self.param(module, name, shape)
-        return placed if placed != R else None
 
     def _count(self, module, name, shape) -> int:
         leading = {np.shape(v.get_value())[0] for v in vars(module).values()
@@ -425,6 +427,7 @@ class ExpertTensorParallel(ParallelStyle):
     """
 
     axis: str = "tp"
+    keeps: ClassVar[bool] = True
 
     def param(self, module, name, shape):
         experts = [(n, np.shape(v.get_value())) for n, v in vars(module).items()
@@ -448,10 +451,6 @@ class ExpertTensorParallel(ParallelStyle):
                                                        f"gate, in, wi, w1, w3): {sorted(said)}")
             return Shard(1) if said[name] == "out" else Shard(2)
         return Shard(2) if tuple(shape[1:]) == into else Shard(1)
-
-    def pin(self, module, name, shape):
-        placed = self.param(module, name, shape)
-        return placed if placed != R else None
 
 
 def _said(name: str) -> str | None:
