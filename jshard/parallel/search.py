@@ -86,6 +86,7 @@ from .styles import (
     PipelineParallel,
     RowwiseParallel,
     SequenceParallel,
+    expert_weights,
 )
 from .training import GRADIENT_PINS, check_tx, mirror_placements, step_function
 
@@ -310,8 +311,7 @@ def _mixtures(model: nnx.Module) -> tuple[str, ...]:
     for path, node in nnx.iter_graph(model):
         if not isinstance(node, nnx.Module):
             continue
-        leading = [np.shape(v.get_value())[0] for v in vars(node).values()
-                   if isinstance(v, nnx.Param) and np.ndim(v.get_value()) == 3]
+        leading = [shape[0] for _, shape in expert_weights(node)]
         if len(leading) >= 2 and len(set(leading)) == 1 and leading[0] > 1:
             found[module_key(tuple(path), any_index=True)] = None
     return tuple(found)

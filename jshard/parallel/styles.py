@@ -64,9 +64,8 @@ from .schedule import SCHEDULES
 from .stages import StackedStages, Stages
 
 __all__ = ["ColwiseParallel", "ContextParallel", "DataParallel", "ExpertParallel", "ExpertTensorParallel",
-           "FullyShard", "Layout",
-           "ParallelStyle", "PipelineParallel", "RowwiseParallel", "SequenceParallel", "UnplacedParameter", "is_array",
-           "layout", "stack_depth", "style_classes"]
+           "FullyShard", "Layout", "ParallelStyle", "PipelineParallel", "RowwiseParallel", "SequenceParallel",
+           "UnplacedParameter", "expert_weights", "is_array", "layout", "stack_depth", "style_classes"]
 
 R = Replicate()
 
@@ -397,8 +396,7 @@ class ExpertParallel(ParallelStyle):
         return Shard(0) if len(shape) >= 2 and shape[0] == count else R
 
     def _count(self, module, name, shape) -> int:
-        leading = {np.shape(v.get_value())[0] for v in vars(module).values()
-                   if isinstance(v, nnx.Param) and np.ndim(v.get_value()) == 3}
+        leading = {s[0] for _, s in expert_weights(module)}
         if len(leading) != 1:
             raise self.refuse(module, name, shape, f"it reads the expert count from the module's own parameters of "
                                                    f"rank 3 ([E, D, H]), whose leading dims are {sorted(leading)}; "
@@ -430,8 +428,7 @@ class ExpertTensorParallel(ParallelStyle):
     keeps: ClassVar[bool] = True
 
     def param(self, module, name, shape):
-        experts = [(n, np.shape(v.get_value())) for n, v in vars(module).items()
-                   if isinstance(v, nnx.Param) and np.ndim(v.get_value()) == 3]
+        experts = expert_weights(module)
         if len(shape) != 3 or not experts or (name, tuple(shape)) not in [(n, tuple(s)) for n, s in experts]:
             return R
         kinds = {}
@@ -451,6 +448,23 @@ class ExpertTensorParallel(ParallelStyle):
                                                        f"gate, in, wi, w1, w3): {sorted(said)}")
             return Shard(1) if said[name] == "out" else Shard(2)
         return Shard(2) if tuple(shape[1:]) == into else Shard(1)
+
+
+def expert_weights(module: nnx.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """A mixture's own weights as the expert styles read them: ``(name, shape)`` of each parameter of rank 3 held by
+    ``module`` itself (``[E, D, H]``, ``[E, H, D]``); the modules inside it (the router) are not its own.
+
+    >>> import numpy as np
+    >>> from flax import nnx
+    >>> class MoE(nnx.Module):
+    ...     def __init__(self):
+    ...         self.router = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+    ...         self.w_up, self.w_down = nnx.Param(np.zeros((8, 4, 16))), nnx.Param(np.zeros((8, 16, 4)))
+    >>> expert_weights(MoE())
+    [('w_up', (8, 4, 16)), ('w_down', (8, 16, 4))]
+    """
+    return [(n, tuple(np.shape(v.get_value()))) for n, v in vars(module).items()
+            if isinstance(v, nnx.Param) and np.ndim(v.get_value()) == 3]
 
 
 def _said(name: str) -> str | None:
