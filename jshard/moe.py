@@ -14,7 +14,10 @@ mesh axis:
   Buffers have a fixed size (no host sync, no recompilation): a device sends at most ``min(top_k, E/n)`` copies of
   each of its ``T`` tokens to any one device (a token's experts are distinct), so each buffer holds
   ``T * min(top_k, E/n)`` rows, the least that drops no token under any routing. Each copy travels with its
-  expert's slot on the receiver (an int), so no counts need exchanging first;
+  expert's slot on the receiver (an int), so no counts need exchanging first. That is the transport on XLA:CPU;
+  where XLA has ``lax.ragged_all_to_all`` (GPU, TPU) only the copies travel, not the buffers' padding, their
+  slots worked out on the receiver from one small ``all_to_all`` of each device's counts per expert first (see
+  ``RAGGED_ALL_TO_ALL``);
 - **gather**: experts sharded, tokens whole on the axis (the engine all-gathers them by its own move when they
   were sharded): each device runs its own experts on every token, the result ``Partial(sum)``, which the engine
   reduce-scatters (or all-reduces) where the next equation needs it;
@@ -41,6 +44,7 @@ differentiated, the ``all_to_all``\\ s transposing into the return trips of the 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -269,13 +273,33 @@ class _Roles:
         self.mesh = mesh
 
     @property
+    def platform(self) -> str:
+        """The devices' platform, read only where a kernel runs: a unit priced on an abstract mesh has none."""
+        return self.mesh.devices.flat[0].platform
+
+    @property
     def tiled(self) -> bool:
         """Whether the grouped products go in tiles (XLA:CPU; see ``_grouped_dot``)."""
-        return self.mesh.devices.flat[0].platform == "cpu"
+        return self.platform == "cpu"
+
+    @property
+    def ragged(self) -> Callable | None:
+        """The ragged all-to-all dispatch sends its copies by (``RAGGED_ALL_TO_ALL``, else
+        ``lax.ragged_all_to_all`` off XLA:CPU), or None: padded ``all_to_all`` rounds. Read at each use, not
+        kept with the roles (which are memoized), so that setting the hook reaches specs already seen."""
+        if RAGGED_ALL_TO_ALL is not None:
+            return RAGGED_ALL_TO_ALL
+        return None if self.platform == "cpu" else lax.ragged_all_to_all
 
     def mine(self):
         """This device's group along the other expert axes."""
         return _linear([axis_index(a) for a in self.others], self.sizes, jnp.int32(0))
+
+    def rank(self):
+        """This device's index among those sharing the dispatch, counted as ``all_to_all`` over their tuple
+        counts them (the first axis major)."""
+        return _linear([axis_index(a) for a in self.dispatch], [self.mesh.shape[a] for a in self.dispatch],
+                       jnp.int32(0))
 
 
 @memo(256)
@@ -308,12 +332,52 @@ class _Whole:
 # factor, here a round's size, not a limit (more copies take more rounds, none is dropped)
 ROUND_FACTOR = 1.25
 
+# how dispatch moves its copies. None: by the mesh's platform, ``lax.ragged_all_to_all`` (only the copies a round
+# carries travel) where XLA has it, padded ``all_to_all`` rounds on XLA:CPU, which has no ragged-all-to-all. A
+# function with ``lax.ragged_all_to_all``'s signature: the ragged path through it, on any platform; the tests run
+# that path on CPU through ``emulated_ragged_all_to_all``
+RAGGED_ALL_TO_ALL: Callable | None = None
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                               axis_name):
+    """``lax.ragged_all_to_all``'s values from ``lax.all_to_all``, for platforms without the primitive (XLA:CPU):
+    slice ``j`` of ``K`` (``K`` a multiple of the ``n`` devices over ``axis_name``), ``operand[input_offsets[j]:
+    +send_sizes[j]]``, goes to device ``j // (K / n)``, which writes it at ``output[output_offsets[j]: ...]``, as
+    many rows as its own ``recv_sizes`` says for that slice; the rest of ``output`` is kept. So ``output_offsets``
+    are the sender's word on where its rows land on the receiver. Each slice travels padded to ``operand``'s
+    length, ``n`` times the traffic of a padded all-to-all: a check of the ragged path's logic, not a transport.
+
+    JAX's own example, on two devices: device 0 sends ``[1]`` to itself and ``[2, 2]`` to device 1's row 0, device
+    1 sends ``[3]`` to device 0's row 1 and ``[4]`` to its own row 2.
+
+    >>> import jax, numpy as np
+    >>> mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+    >>> per_device = jax.sharding.NamedSharding(mesh, jax.P("x"))
+    >>> on = lambda *rows: jax.device_put(np.array(rows, np.int32).reshape(-1), per_device)  # device 0's, 1's
+    >>> f = jax.shard_map(lambda *args: emulated_ragged_all_to_all(*args, axis_name="x"), mesh=mesh,
+    ...                   in_specs=jax.P("x"), out_specs=jax.P("x"))
+    >>> f(on([1, 2, 2], [3, 4, 0]), on([0] * 4, [0] * 4), on([0, 1], [0, 1]), on([1, 2], [1, 1]),
+    ...   on([0, 0], [1, 2]), on([1, 1], [2, 1])).reshape(2, 4).tolist()
+    [[1, 3, 0, 0], [2, 2, 4, 0]]
+    """
+    k, m = input_offsets.shape[0], operand.shape[0]
+    along = jnp.arange(m, dtype=jnp.int32)
+    rows = operand[jnp.minimum(input_offsets[:, None] + along, m - 1)]  # [K, m, ...]: each slice from its offset
+    got = lax.all_to_all(rows, axis_name, 0, 0, tiled=True)
+    at = lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+    # row q of slice j lands at at[j] + q if q < recv_sizes[j], else nowhere (past the end: dropped)
+    where = jnp.where(along < recv_sizes[:, None], at[:, None] + along, output.shape[0])
+    return output.at[where.reshape(-1)].set(got.reshape(k * m, *operand.shape[1:]), mode="drop")
+
 
 class _Copies:
     """This device's token copies (token ``t``'s ``k`` experts), sorted by the device of their expert and then its
     slot there, with their place in the rounds that carry them: a round sends each device up to ``chunk`` copies
     (``ROUND_FACTOR`` times the average), and as many rounds run as the fullest pair of devices needs (agreed over
-    the dispatch axes: no host sync, no token dropped)."""
+    the dispatch axes: no host sync, no token dropped). Device ``i``'s copies land in rows ``i * chunk ...`` of the
+    receiver's ``[n * chunk, W]`` buffer by either transport: padded (every row sent, the unused ones zero, each
+    with its slot) or ragged (only the copies sent; the slots worked out on the receiver from counts met once)."""
 
     def __init__(self, roles, idx, valid_tokens):
         t, k = idx.shape
@@ -334,39 +398,84 @@ class _Copies:
             return
         worst = t * min(k, local)  # the most copies one device sends another: a token's experts are distinct
         self.chunk = min(worst, max(1, math.ceil(ROUND_FACTOR * t * k / n)))
-        counts = jnp.sum(self.dest[:, None] == jnp.arange(n, dtype=dest.dtype), axis=0, dtype=jnp.int32)
-        start = jnp.cumsum(counts) - counts
-        self.pos = jnp.arange(t * k, dtype=jnp.int32) - jnp.where(self.kept, start[jnp.minimum(self.dest, n - 1)], 0)
-        self.rounds = lax.pmax(jnp.max((counts + self.chunk - 1) // self.chunk), roles.dispatch)
+        self.counts = jnp.sum(self.dest[:, None] == jnp.arange(n, dtype=dest.dtype), axis=0, dtype=jnp.int32)
+        self.start = jnp.cumsum(self.counts) - self.counts  # where the copies to each device begin
+        first = self.start[jnp.minimum(self.dest, n - 1)]
+        self.pos = jnp.arange(t * k, dtype=jnp.int32) - jnp.where(self.kept, first, 0)
+        self.rounds = lax.pmax(jnp.max((self.counts + self.chunk - 1) // self.chunk), roles.dispatch)
 
     def exchange(self, run, payload, home_width: int, dtype, extra=()):
         """Each round: the copies it carries sent with ``payload`` rows (``[T*k, W]``, in sorted order) and their
         slots to their experts' devices, ``run(rows, slots) -> (results [rows, home_width], extra)`` there, the
         results sent home; returns the results ``[T*k, home_width]`` in sorted order (zero for copies not kept) and
         the sum over the rounds of ``extra`` (an expert's weight gradients; ``extra`` gives its zeros)."""
-        roles, n = self.roles, self.roles.n
-        if n == 1:
+        roles = self.roles
+        if roles.n == 1:
             slot = jnp.where(self.kept, self.slot, roles.local)
             return run(payload, slot)
-        width = payload.shape[1]
-        none = jnp.int32(n)
+        if roles.ragged is None:
+            trip = self._padded
+        else:
+            trip = functools.partial(self._ragged, roles.ragged, self._meet())
 
         def one(r, carry):
             home, extra = carry
-            inside = self.kept & (self.pos >= r * self.chunk) & (self.pos < (r + 1) * self.chunk)
-            dest, at = jnp.where(inside, self.dest, none), self.pos - r * self.chunk
-            send = jnp.zeros((n, self.chunk, width), payload.dtype).at[dest, at].set(payload, mode="drop")
-            slots = jnp.full((n, self.chunk), roles.local, jnp.int32).at[dest, at].set(self.slot, mode="drop")
-            got = lax.all_to_all(send, roles.dispatch, 0, 0, tiled=True).reshape(-1, width)
-            got_slots = lax.all_to_all(slots, roles.dispatch, 0, 0, tiled=True).reshape(-1)
-            ran, more = run(got, got_slots)
-            back = lax.all_to_all(ran.reshape(n, self.chunk, home_width), roles.dispatch, 0, 0, tiled=True)
-            mine = back[jnp.minimum(dest, n - 1), jnp.clip(at, 0, self.chunk - 1)]
-            home = home + jnp.where(inside[:, None], mine, 0).astype(home.dtype)
-            extra = jax.tree.map(jnp.add, extra, more)
-            return home, extra
+            home, more = trip(r, run, payload, home)
+            return home, jax.tree.map(jnp.add, extra, more)
 
         return lax.fori_loop(0, self.rounds, one, (jnp.zeros((self.t * self.k, home_width), dtype), extra))
+
+    def _padded(self, r, run, payload, home):
+        """Round ``r`` by ``all_to_all``: ``[n, chunk]`` buffers each way, the copies scattered into them, and
+        their slots beside (slot ``local`` in the unused rows: no expert)."""
+        roles, n, chunk, width = self.roles, self.roles.n, self.chunk, payload.shape[1]
+        inside = self.kept & (self.pos >= r * chunk) & (self.pos < (r + 1) * chunk)
+        dest, at = jnp.where(inside, self.dest, jnp.int32(n)), self.pos - r * chunk
+        send = jnp.zeros((n, chunk, width), payload.dtype).at[dest, at].set(payload, mode="drop")
+        slots = jnp.full((n, chunk), roles.local, jnp.int32).at[dest, at].set(self.slot, mode="drop")
+        got = lax.all_to_all(send, roles.dispatch, 0, 0, tiled=True).reshape(-1, width)
+        got_slots = lax.all_to_all(slots, roles.dispatch, 0, 0, tiled=True).reshape(-1)
+        ran, more = run(got, got_slots)
+        back = lax.all_to_all(ran.reshape(n, chunk, -1), roles.dispatch, 0, 0, tiled=True)
+        mine = back[jnp.minimum(dest, n - 1), jnp.clip(at, 0, chunk - 1)]
+        return home + jnp.where(inside[:, None], mine, 0).astype(home.dtype), more
+
+    def _meet(self):
+        """What the ragged rounds need of the other devices, met once by one small ``all_to_all``: from each
+        device ``i``, its copies to this one per local slot (``[n, local]``, giving the sizes of every round and
+        the slot of every row received) and where they begin in its sorted order (``[n]``, where their results
+        go home)."""
+        n, local = self.roles.n, self.roles.local
+        per_slot = jnp.zeros(n * local, jnp.int32).at[self.dest * local + self.slot].add(1, mode="drop")
+        mine = jnp.concatenate([per_slot.reshape(n, local), self.start[:, None]], axis=1)
+        theirs = lax.all_to_all(mine, self.roles.dispatch, 0, 0, tiled=True)
+        return theirs[:, :local], theirs[:, local]
+
+    def _ragged(self, ragged, met, r, run, payload, home):
+        """Round ``r`` by ``ragged``: each device's share of the round, the next ``chunk`` or fewer of its copies
+        to this one, read straight from ``payload``'s sorted rows into its region of the receiver's buffer, and
+        the results written by the return trip straight into ``home`` at the copies' sorted places (each copy
+        travels in one round: ``home`` is otherwise kept)."""
+        roles, n, chunk, width = self.roles, self.roles.n, self.chunk, payload.shape[1]
+        per_slot, their_start = met
+        done = r * chunk
+        send = jnp.clip(self.counts - done, 0, chunk)
+        recv = jnp.clip(jnp.sum(per_slot, axis=1) - done, 0, chunk)
+        # an empty slice's offset may lie past the end of the rows: kept inside them, the primitive's contract
+        # being silent on it
+        at_mine = jnp.where(send > 0, self.start + done, 0)
+        at_theirs = jnp.where(recv > 0, their_start + done, 0)
+        regions = jnp.arange(n, dtype=jnp.int32) * chunk
+        got = ragged(payload, jnp.zeros((n * chunk, width), payload.dtype), at_mine, send,
+                     jnp.full(n, roles.rank() * chunk, jnp.int32), recv, axis_name=roles.dispatch)
+        # row q of device i's region is its copy done + q, whose slot is how many slots' copies end at or before
+        # it (all of them, slot local, past the copies it sent)
+        index = done + jnp.arange(chunk, dtype=jnp.int32)
+        ends = jnp.cumsum(per_slot, axis=1)
+        slots = jnp.sum(ends[:, None, :] <= index[None, :, None], axis=2, dtype=jnp.int32).reshape(-1)
+        ran, more = run(got, slots)
+        home = ragged(ran.astype(home.dtype), home, regions, recv, at_theirs, send, axis_name=roles.dispatch)
+        return home, more
 
 
 def _forward_kernel(roles, x, idx, weights, w_up, w_gate, w_down, valid_tokens, activation):
@@ -490,13 +599,23 @@ def _backward_local(params, ins, outs):
 
 
 def _traffic(params, ins, outs, out_width: int, home_width: int) -> list[Communication]:
-    """The all-to-alls of one round (the rounds a routing needs are known only as it runs: priced as one)."""
+    """The all-to-alls a device sends: padded, one round's buffers (the rounds a routing needs are known only as
+    it runs: priced as one); ragged, the counts met first and then the copies it sends and their results."""
     roles = _roles(ins[0], ins[3])
     if roles.n == 1:
         return []
     t, k = ins[1].local_block_shape
+    size = ins[0].itemsize
+    if roles.ragged is not None:
+        # each copy kept travels once, out and home, however many rounds the routing needs (known only as it
+        # runs, as the rows a round carries): T k of them, or where other expert axes split the experts into g
+        # groups, the T k / g a group takes on average (its actual share depends on the routing)
+        rows = math.ceil(t * k / math.prod(roles.sizes))
+        return [Communication("all_to_all", roles.dispatch, roles.n * (roles.local + 1) * 4),
+                Communication("all_to_all", roles.dispatch, rows * out_width * size),
+                Communication("all_to_all", roles.dispatch, rows * home_width * size)]
     chunk = min(t * min(k, roles.local), max(1, math.ceil(ROUND_FACTOR * t * k / roles.n)))
-    rows, size = roles.n * chunk, ins[0].itemsize
+    rows = roles.n * chunk
     return [Communication("all_to_all", roles.dispatch, rows * out_width * size),
             Communication("all_to_all", roles.dispatch, rows * 4),
             Communication("all_to_all", roles.dispatch, rows * home_width * size)]
