@@ -19,8 +19,11 @@ compiled program (``memory_analysis``: temporaries + arguments + outputs); the F
 compiled HLO, each loop counted by its trip count and each conditional with every branch (``cost_analysis`` counts
 a loop's body once, so it would miss all but one tick: the count here is the work of a program in which bubbles
 cost as much as work, an upper bound of what the pipeline's ``lax.cond``\\ s run); the collective-permutes apart
-(the stage-to-stage traffic) against what the schedule must move, ``microbatches x (p*v - 1)`` activations forward
-and as many gradients back, per device ``2 m (p v - 1) A / p`` for an activation block of ``A`` bytes, and the
+(the stage-to-stage traffic, a permute's bytes averaged over the devices, its pairs' destinations receiving a
+block and the others nothing; the kernel's switch between the sets of stage pairs a tick sends along counted as it
+runs, each branch on the ticks that select it, read off the kernel's tables since the program text does not print
+them) against what the schedule must move, ``microbatches x (p*v - 1)`` activations forward and as many gradients
+back, per device ``2 m (p v - 1) A / p`` for an activation block of ``A`` bytes, and the
 other collectives whose groups join stages (target: none in the forward pass; the gradients' sums after it); the
 blocks' parameter bytes a device holds, against the same placements without the pipeline axis (target ``1/p``);
 the schedule's ``wasted()`` and ``theory()``, its ticks, buffer slots and in-flight microbatches; and whether every
@@ -87,7 +90,8 @@ import jshard  # noqa: E402
 from jshard import Replicate, Shard  # noqa: E402
 from jshard.gpt import GPT, cross_entropy, plan, summed_terms  # noqa: E402
 from jshard.parallel import TrainStep, parallelize  # noqa: E402
-from jshard.parallel.schedule import make_schedule  # noqa: E402
+from jshard.parallel.pipeline import _routes  # noqa: E402
+from jshard.parallel.schedule import Schedule, make_schedule  # noqa: E402
 from jshard.validate.tolerance import curve_ratio  # noqa: E402
 from report import write_json  # noqa: E402
 
@@ -156,7 +160,8 @@ def measure(config: str, microbatches: int, schedules: Sequence[str] = tuple(SCH
     for s in schedules:
         log(f"{where}: {s}: building and compiling")
         styles, default = plan(style, microbatches=microbatches, schedule=s, virtual_stages=SCHEDULES[s])
-        ours[s] = _jshard_side(s, make, tx, loss_fn, devices, shape, names, styles, default, batches)
+        ours[s] = _jshard_side(s, make, tx, loss_fn, devices, shape, names, styles, default, batches,
+                               make_schedule(s, p, microbatches, SCHEDULES[s]))
     theirs: dict[str, _Side] = {}
     for name, (b_shape, b_names, b_style) in BASELINES.items():
         log(f"{where}: {name}: building and compiling")
@@ -196,8 +201,10 @@ def _too_few_devices(have: int) -> str:
             "or run python benchmarks/pipeline.py")
 
 
-def _jshard_side(name: str, make, tx, loss_fn, devices, shape, names, styles, default, batches) -> _Side:
-    """A jshard ``TrainStep`` on a mesh ``shape`` x ``names``: its compiled program's figures, and its steps."""
+def _jshard_side(name: str, make, tx, loss_fn, devices, shape, names, styles, default, batches,
+                 schedule: Schedule | None = None) -> _Side:
+    """A jshard ``TrainStep`` on a mesh ``shape`` x ``names`` (pipelined by ``schedule`` where given): its compiled
+    program's figures, and its steps."""
     mesh = jax.make_mesh(shape, names, devices=devices[:math.prod(shape)])
     model = parallelize(make, mesh, styles, default=default)
     step = TrainStep(model, tx, loss_fn)
@@ -205,7 +212,10 @@ def _jshard_side(name: str, make, tx, loss_fn, devices, shape, names, styles, de
     dbatches = [[jshard.distribute(a, mesh, data) for a in b] for b in batches]
     compiled = step.lower(*dbatches[0]).compile()
     axis = list(names).index("pp") if "pp" in names else None
-    figures = _hlo_figures(compiled.as_text(), len(mesh.devices.flat), None if axis is None else (shape, axis))
+    # the pipeline's sends as its kernel switches between them (a direction of one set sends without a switch)
+    switches = [r for r in _routes(schedule).values() if len(r[0]) > 1] if schedule else []
+    figures = _hlo_figures(compiled.as_text(), len(mesh.devices.flat), None if axis is None else (shape, axis),
+                           switches)
     side = _Side(name, len(mesh.devices.flat), _memory(compiled), figures.pop("collectives"),
                  extra=dict(figures, blocks=_blocks_memory(model, mesh)))
     side.run = _stepper(step, dbatches)
@@ -231,23 +241,28 @@ def _blocks_memory(model, mesh) -> dict:
             "share": round(local / unpiped, 4)}
 
 
-def _hlo_figures(hlo: str, devices: int, stages: tuple[tuple[int, ...], int] | None = None) -> dict:
+def _hlo_figures(hlo: str, devices: int, stages: tuple[tuple[int, ...], int] | None = None,
+                 switches: Sequence[tuple[tuple, np.ndarray]] = ()) -> dict:
     """A compiled per-device program's FLOPs (dots: 2 x output x contracted size), collectives by kind with the
-    bytes a device receives in them (``hlo_traffic``), the collective-permutes apart, and (given ``stages``: the
-    mesh's shape and the pipeline axis) the other collectives whose groups join devices of different stages; each
-    computation counted as often as it runs: a while loop's body its known trip count times, each branch of a
-    conditional as often as the conditional (so a masked-out tick counts as work)."""
+    bytes a device receives in them (``hlo_traffic``; a collective-permute's on average over the ``devices``: its
+    block times the share of devices its pairs deliver one to), the collective-permutes apart, and (given
+    ``stages``: the mesh's shape and the pipeline axis) the other collectives whose groups join devices of different
+    stages; each computation counted as often as it runs (``_executions``: a while loop's body its known trip count
+    times, each branch of a conditional as often as the conditional, so a masked-out tick counts as work, but for
+    the branches of the pipeline's ``switches``, each counted as often as a tick selects it)."""
     flops, kinds, received = 0.0, collections.Counter(), 0.0
     permute = {"count": 0, "received_bytes": 0.0}
     cross = {"kinds": collections.Counter(), "received_bytes": 0.0}
     types = dict(_DEFINITION.findall(hlo))
-    for lines, times in _executions(hlo):
+    for lines, times in _executions(hlo, stages, switches):
         text = "\n".join(lines)
-        k, r = hlo_traffic(text, devices)
+        permutes = [x for x in lines if _PERMUTE.search(x)]
+        k, r = hlo_traffic("\n".join(x for x in lines if not _PERMUTE.search(x)), devices)
+        k.update({"collective-permute": len(permutes)} if permutes else {})
+        pr = sum(_permute_received(x, devices) for x in permutes)
         kinds.update({kind: c * times for kind, c in k.items()})
-        received += r * times
-        _, pr = hlo_traffic("\n".join(x for x in lines if "collective-permute" in x), devices)
-        permute["count"] += k.get("collective-permute", 0) * times
+        received += (r + pr) * times
+        permute["count"] += len(permutes) * times
         permute["received_bytes"] += pr * times
         flops += sum(_dot_flops(m, types) for m in _DOT.finditer(text)) * times
         for line in lines if stages else ():
@@ -282,9 +297,26 @@ def _crosses(group: re.Match, shape: tuple[int, ...], axis: int) -> bool:
     return any(len({int(np.unravel_index(d, shape)[axis]) for d in g}) > 1 for g in groups)
 
 
-def _executions(hlo: str) -> list[tuple[list[str], int]]:
+def _permute_received(line: str, devices: int) -> float:
+    """The bytes a device receives in the collective-permute of HLO ``line``, on average over ``devices``: its block
+    (``hlo_traffic``) times the share of devices that get one from another device."""
+    _, block = hlo_traffic(line, devices)
+    pairs = re.findall(r"\{(\d+),(\d+)\}", _PERMUTE.search(line).group(1))
+    return block * len({b for a, b in pairs if a != b}) / devices
+
+
+def _executions(hlo: str, stages: tuple[tuple[int, ...], int] | None = None,
+                switches: Sequence[tuple[tuple, np.ndarray]] = ()) -> list[tuple[list[str], int]]:
     """Each computation's lines and how many times one run of the program runs it (0: never, a loop's condition
-    apart: it holds no work). Callers follow their callees in HLO text, so the walk goes from the entry back."""
+    apart: it holds no work). Callers follow their callees in HLO text, so the walk goes from the entry back.
+
+    A conditional's branches run as often as the conditional, but for a pipeline's switch between sends: the text
+    does not say which branch a tick takes (its index is a table too large to print), the kernel's tables do. Each
+    of ``switches`` is a direction's ``(routes, index)`` as the kernel builds its switch from them
+    (``jshard.parallel.pipeline._routes``): the stage pairs each branch sends along and, per tick, the branch
+    taken. The conditional whose branches' collective-permutes send along exactly those pairs (``stages``: the
+    mesh's shape and the pipeline axis, to read a device's stage), in order, runs branch ``j`` on the ticks whose
+    index is ``j`` (it runs once a tick). Every switch must match a conditional of its own."""
     bodies: dict[str, list[str]] = {}
     times: collections.Counter = collections.Counter()
     name = None
@@ -296,6 +328,7 @@ def _executions(hlo: str) -> list[tuple[list[str], int]]:
             times[name] = 1 if head.group(1) else 0
         elif name is not None:
             bodies[name].append(line)
+    unmatched = list(switches)
     for comp in reversed(bodies):
         for line in bodies[comp]:
             loop = _WHILE.search(line)
@@ -306,10 +339,55 @@ def _executions(hlo: str) -> list[tuple[list[str], int]]:
                                      "FLOPs and collectives cannot be counted")
                 times[loop.group(2)] += times[comp] * int(trip.group(1))
                 continue
-            for one, branches in _CALLS.findall(line):
-                for callee in [one] if one else re.split(r",\s*", branches):
-                    times[callee.strip().lstrip("%")] += times[comp]
+            branches = _branches(line)
+            ticks = _switch_ticks(branches, bodies, stages, unmatched) if branches else None
+            if ticks is not None:
+                each, rest = divmod(times[comp], sum(ticks))
+                if rest:
+                    raise ValueError(f"pipeline benchmark: a switch between sends of {sum(ticks)} ticks runs "
+                                     f"{times[comp]} times in {comp}, not once a tick; its sends cannot be counted")
+                for callee, n in zip(branches, ticks, strict=True):
+                    times[callee] += each * n
+                continue
+            for callee in branches or _CALLS.findall(line):
+                times[callee] += times[comp]
+    if unmatched:
+        raise ValueError(f"pipeline benchmark: no conditional of the program switches between the sends "
+                         f"{[routes for routes, _ in unmatched]} (stage pairs per branch) its kernel's tables name; "
+                         "the ticks' sends cannot be counted (has the kernel's switch changed?)")
     return [(lines, times[comp]) for comp, lines in bodies.items() if times[comp]]
+
+
+def _branches(line: str) -> list[str]:
+    """The branch computations of a conditional in HLO ``line``, in index order (a predicate's: false, then true);
+    none for another instruction."""
+    if " conditional(" not in line:
+        return []
+    listed = re.search(r"branch_computations=\{([^}]*)\}", line)
+    if listed:
+        return [b.strip().lstrip("%") for b in listed.group(1).split(",")]
+    return [re.search(rf"{which}_computation=%([\w.\-]+)", line).group(1) for which in ("false", "true")]
+
+
+def _switch_ticks(branches: list[str], bodies: dict[str, list[str]], stages, unmatched: list) -> list[int] | None:
+    """Per branch, the ticks that take it, where the branches send along the pairs of one of the ``unmatched``
+    switches (which it then takes off the list); None where they do not."""
+    if stages is None or not unmatched:
+        return None
+    shape, axis = stages
+    sends = []
+    for branch in branches:
+        pairs = set()
+        for line in bodies[branch]:
+            found = _PERMUTE.search(line)
+            for a, b in re.findall(r"\{(\d+),(\d+)\}", found.group(1) if found else ""):
+                pairs.add(tuple(int(np.unravel_index(int(d), shape)[axis]) for d in (a, b)))
+        sends.append(pairs)
+    for i, (routes, index) in enumerate(unmatched):
+        if [set(r) for r in routes] == sends:
+            del unmatched[i]
+            return np.bincount(index, minlength=len(routes)).tolist()
+    return None
 
 
 def _dot_flops(match: re.Match, types: dict[str, str]) -> float:
@@ -330,8 +408,8 @@ _GROUPS = re.compile(r"(?:all-gather|all-reduce|reduce-scatter|all-to-all)(?:-st
                      r"(?:\{(\{[\d,{}]*\})\}|\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?"
                      r"|mesh\[([^\]]*)\] \{([^}]*)\})")
 _DOT = re.compile(r"= (\w+\[[\d,]*\])\S* dot\(%([\w.\-]+), %[\w.\-]+\).*?lhs_contracting_dims=\{([\d,]*)\}")
-_CALLS = re.compile(r"(?:calls|to_apply|true_computation|false_computation)=%([\w.\-]+)"
-                    r"|branch_computations=\{([^}]*)\}")
+_PERMUTE = re.compile(r"collective-permute(?:-start)?\(.*source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+_CALLS = re.compile(r"(?:calls|to_apply)=%([\w.\-]+)")  # a conditional's branches: _branches
 
 
 def _comparisons(side: _Side, theirs: dict[str, _Side], alone: _Side, n_terms: int) -> dict:

@@ -15,7 +15,9 @@ gradients: with respect to ``stacked`` (every layer's parameters, stacked along 
   the other axes alone), so tensor, data or sequence parallelism runs inside every stage;
 - the local kernel is a loop over the schedule's ticks (``jshard.parallel.schedule``): per tick every device runs
   the forward unit and the backward unit the tables give it (``lax.cond``: an idle device computes nothing), then
-  sends its activation one stage on and its input gradient one stage back (two ``ppermute``\\ s).
+  sends its activation one stage on and its input gradient one stage back (two ``ppermute``\\ s, each over only the
+  pairs of stages that move something on that tick: a ``lax.switch`` between the few sets of pairs the schedule
+  uses, so ramping up and down sends no zeros).
 
 The loss and the tail's gradients come out ``Partial(sum)`` along ``axis`` (the last stage computed them), the
 input gradient too (the first stage did); the stacked gradients lie like the parameters.
@@ -37,6 +39,8 @@ input gradient too (the first stage did); the stacked gradients lie like the par
 
 from __future__ import annotations
 
+import collections
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -273,20 +277,19 @@ def _outer(spec: Spec, mesh: Mesh, ax: int, placement: Placement, stack: int | N
 
 
 def _sends(sched, axis: str, x: Spec) -> list[Communication]:
-    """What the kernel sends: one activation block forward on each tick where some device sends one, one gradient
-    block back likewise (zeros from the devices with nothing to send: every device takes part in a ``ppermute``)."""
-    if sched.stages == 1:
+    """What the kernel sends: per tick and direction one ``ppermute`` over exactly the pairs of stages the schedule
+    moves an activation (forward) or a gradient (back) between, none where no pair does. A permute of ``k`` pairs on
+    ``p`` devices moves ``k`` blocks, ``k / p`` of one per device: permutes are grouped by ``k``, each group priced at
+    that average, so the bytes add up to the ``2 m (p v - 1) / p`` blocks per device the schedule must move (a
+    permute's launch counted once whatever its pairs)."""
+    if sched.stages == 1:  # a chunk's output stays on its device (a permute onto itself)
         return []
-    tables = _tables(sched)
-    count = int(tables["any_f"][:, 0].sum() + tables["any_b"][:, 0].sum())
-    return [Communication("permute", (axis,), x.local_bytes, count=count)] if count else []
-
-
-def _pairs(p: int, v: int) -> tuple[list, list]:
-    """The ``ppermute`` pairs forward (device ``d`` to ``d + 1``) and back; the last device sends to the first (and
-    back) only when it holds more than one chunk (interleaved: virtual stage ``p - 1`` feeds ``p`` on device 0)."""
-    ahead = [(i, i + 1) for i in range(p - 1)] + ([(p - 1, 0)] if v > 1 and p > 1 else [])
-    return ahead, [(j, i) for i, j in ahead]
+    counts = collections.Counter()
+    for routes, index in _routes(sched).values():
+        for i, n in zip(*np.unique(index, return_counts=True), strict=True):
+            counts[len(routes[i])] += int(n)
+    return [Communication("permute", (axis,), x.local_bytes * k / sched.stages, count=n)
+            for k, n in sorted(counts.items()) if k]
 
 
 def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Callable, counts, loss_dtype,
@@ -298,7 +301,15 @@ def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Ca
     p, v, slots = sched.stages, sched.virtual_stages, sched.slots
     per = depth // (p * v)
     tables = _tables(sched)
-    ahead, back = _pairs(p, v)
+    routes = _routes(sched)
+
+    def send(t, direction, x):
+        # only the pairs that move something at tick t: the branch is the tick's, the same on every device, so every
+        # device takes it; a device outside its pairs receives zeros, which nothing reads
+        sets, index = routes[direction]
+        branches = [functools.partial(jax.lax.ppermute, axis_name=axis, perm=pairs) if pairs else jnp.zeros_like
+                    for pairs in sets]
+        return jax.lax.switch(jnp.asarray(index)[t], branches, x) if len(branches) > 1 else branches[0](x)
 
     def layers_forward(chunk, x):
         return jax.lax.scan(lambda x, lp: (fwd(*lp, x)[0], None), x, chunk)[0]
@@ -356,9 +367,7 @@ def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Ca
                 return dict(c, grads=grads, dx0=dx0), dx
 
             c, dx = jax.lax.cond(bm >= 0, backward, lambda c: (c, jnp.zeros_like(x0[0])), c)
-            # a tick where no device sends in a direction sends nothing there (every device takes that branch)
-            y = jax.lax.cond(at("any_f", t), lambda y: jax.lax.ppermute(y, axis, ahead), jnp.zeros_like, y)
-            dx = jax.lax.cond(at("any_b", t), lambda d: jax.lax.ppermute(d, axis, back), jnp.zeros_like, dx)
+            y, dx = send(t, "f", y), send(t, "b", dx)
             fin = jnp.where(at("rf", t) >= 0, c["fin"].at[at("rfc", t), at("rf", t) % slots].set(y), c["fin"])
             bin_ = jnp.where(at("rb", t) >= 0, c["bin"].at[at("rbc", t), at("rb", t) % slots].set(dx), c["bin"])
             return dict(c, fin=fin, bin=bin_)
@@ -389,8 +398,26 @@ def _tables(sched) -> dict[str, np.ndarray]:
         "first_f": (fm >= 0) & (fvs == 0), "last_f": (fm >= 0) & (fvs == last), "first_b": (bm >= 0) & (bvs == 0),
         "rf": np.where(sent_f, fm[:, src_f], -1), "rfc": np.where(sent_f, (fvs[:, src_f] + 1) // p, 0),
         "rb": np.where(sent_b, bm[:, src_b], -1), "rbc": np.where(sent_b, (bvs[:, src_b] - 1) // p, 0),
-        # per tick, whether any device receives (the same on every device, so every device takes one branch)
-        "any_f": np.repeat(sent_f.any(axis=1, keepdims=True), p, axis=1),
-        "any_b": np.repeat(sent_b.any(axis=1, keepdims=True), p, axis=1),
     }
+
+
+def _routes(sched) -> dict[str, tuple[tuple, np.ndarray]]:
+    """Per direction (``"f"``: activations to the next device, ``"b"``: gradients to the previous), the distinct
+    sets of ``(source, destination)`` pairs that send on some tick of ``sched`` (the empty set first, where some tick
+    sends nothing that way) and each tick's index into them: the kernel's switch between sends, a branch a set.
+    Sets are few, at most ``2p`` a direction: as a wavefront ramps up one more device sends each tick, then all
+    do, then one fewer each tick.
+
+    >>> routes, index = _routes(make_schedule("gpipe", 2, 2))["f"]
+    >>> routes, index.tolist()
+    (((), ((0, 1),)), [1, 1, 0, 0, 0])
+    """
+    tables = _tables(sched)
+    p = sched.stages
+    out = {}
+    for direction, received, step in (("f", tables["rf"] >= 0, 1), ("b", tables["rb"] >= 0, -1)):
+        sets, index = np.unique(received, axis=0, return_inverse=True)
+        routes = tuple(tuple(((int(d) - step) % p, int(d)) for d in np.flatnonzero(row)) for row in sets)
+        out[direction] = routes, index.reshape(-1).astype(np.int32)
+    return out
 

@@ -1,8 +1,13 @@
 """Pipeline parallelism against one device: ``pipeline_value_and_grad`` against ``jax.value_and_grad`` of the same
 layers run one after another, and a pipelined GPT's ``TrainStep`` against the same model trained on one device
-(losses step by step, parameters after); the stacked parameters' placements and per-device size; the errors."""
+(losses step by step, parameters after); what the kernel sends (per tick, exactly the stage pairs the schedule
+moves between) and how it is priced; the stacked parameters' placements and per-device size; the errors."""
 
 from __future__ import annotations
+
+import collections
+import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +21,8 @@ from jshard import Replicate, Shard
 from jshard.gpt import GPT, cross_entropy
 from jshard.gpt import plan as gpt_plan
 from jshard.parallel import PipelineParallel, TrainStep, parallelize
-from jshard.parallel.pipeline import pipeline_value_and_grad
+from jshard.parallel.pipeline import _routes, _sends, pipeline_value_and_grad
+from jshard.parallel.schedule import make_schedule
 
 L, D, M, MB = 8, 16, 4, 6
 
@@ -57,7 +63,9 @@ def _sequential(w, b, h, x, y):
     ((1, 8), ("pp", "tp"), "1f1b", 1),
     ((2, 1, 4), ("pp", "dp", "tp"), "1f1b", 1),
     ((1,), ("pp",), "1f1b", 1),
-], ids=["pp2xtp4-gpipe", "pp2xtp4-1f1b", "pp4xtp2-interleaved", "pp8", "pp1xtp8", "pp2xdp1xtp4", "one-device"])
+    ((1,), ("pp",), "interleaved", 2),  # a chunk's output reaches the next chunk on the same device
+], ids=["pp2xtp4-gpipe", "pp2xtp4-1f1b", "pp4xtp2-interleaved", "pp8", "pp1xtp8", "pp2xdp1xtp4", "one-device",
+        "one-device-interleaved"])
 def test_pipeline_value_and_grad_equals_the_layers_run_one_after_another(shape, names, schedule, virtual):
     w, b, h, x, y = _toy()
     loss, grads = _sequential(w, b, h, x, y)
@@ -77,6 +85,70 @@ def test_pipeline_value_and_grad_equals_the_layers_run_one_after_another(shape, 
     for ours, theirs in ((gs["w"], grads[0]), (gs["b"], grads[1]), (go["h"], grads[2]), (gx, grads[3])):
         np.testing.assert_allclose(np.asarray(ours.full()), theirs, rtol=1e-4, atol=1e-6)
     assert gs["w"].placements[0] == split  # the layers' gradients lie like the layers
+
+
+# -- what the kernel sends ----------------------------------------------------------------------------------------
+
+def _moves(s) -> list[tuple[set, set]]:
+    """Per tick of schedule ``s``, read off its tables: the (source, destination) devices an activation moves
+    between (a forward unit's output, but the last virtual stage's) and a gradient (a backward unit's, but the
+    first's)."""
+    p, last = s.stages, s.stages * s.virtual_stages - 1
+    return [({(d, (d + 1) % p) for d in range(p) if s.forward[t, d] >= 0 and s.forward_chunk[t, d] * p + d < last},
+             {(d, (d - 1) % p) for d in range(p) if s.backward[t, d] >= 0 and s.backward_chunk[t, d] * p + d > 0})
+            for t in range(s.ticks)]
+
+
+SENDING = [("gpipe", 4, 4, 1), ("1f1b", 4, 8, 1), ("1f1b", 8, 3, 1), ("1f1b", 3, 5, 1), ("interleaved", 4, 8, 2),
+           ("interleaved", 2, 4, 2), ("interleaved", 2, 6, 3), ("1f1b", 1, 2, 1), ("1f1b", 16, 32, 1)]
+
+
+@pytest.mark.parametrize("kind,p,m,v", SENDING, ids=["-".join(map(str, c)) for c in SENDING])
+def test_each_tick_sends_along_exactly_the_pairs_the_schedule_moves_between(kind, p, m, v):
+    s = make_schedule(kind, p, m, v)
+    routes = _routes(s)
+    moves = _moves(s)
+    for t, (ahead, back) in enumerate(moves):
+        for (sets, index), needed in ((routes["f"], ahead), (routes["b"], back)):
+            assert set(sets[index[t]]) == needed, (t, sets[index[t]], needed)
+    for sets, _ in routes.values():
+        assert len(set(sets)) == len(sets) <= 2 * p  # one branch a set: ramp-up, steady state, ramp-down
+    # priced as sent: a permute a tick and direction with something to send, k pairs moving k / p of a block per
+    # device, in all the m (p v - 1) hops of each microbatch each way
+    block = 3 * 4096
+    sends = _sends(s, "pp", types.SimpleNamespace(local_bytes=block))
+    assert sum(c.count for c in sends) == sum(bool(a) + bool(b) for a, b in moves)
+    assert sum(c.nbytes * c.count for c in sends) == pytest.approx(2 * m * (p * v - 1) * block / p)
+    assert all(c.kind == "permute" and c.axes == ("pp",) for c in sends)
+
+
+@pytest.mark.parametrize("shape,schedule,virtual", [((4, 2), "1f1b", 1), ((2, 4), "interleaved", 2)],
+                         ids=["pp4xdp2-1f1b", "pp2xdp4-interleaved"])
+def test_the_program_permutes_only_the_pairs_that_send(shape, schedule, virtual):
+    # the compiled program's collective-permutes: in each direction one per set of stage pairs the schedule moves
+    # between on some tick (a branch of the tick's switch), none over a pair with nothing to send (permuting
+    # between every stage and the next on every tick would show one a direction, over all the pairs)
+    w, b, h, x, y = _toy()
+    mesh = jax.make_mesh(shape, ("pp", "dp"))
+    split = jshard.StridedShard(0, virtual) if virtual > 1 else Shard(0)
+    args = [jshard.distribute(w, mesh, [split, Replicate()]), jshard.distribute(b, mesh, [split, Replicate()])]
+    args += [jshard.distribute(a, mesh, [Replicate(), Replicate()]) for a in (h, x, y)]
+
+    def run(w, b, h, x, y):
+        return pipeline_value_and_grad(_layer, _tail, {"w": w, "b": b}, {"h": h}, x, (y,), axis="pp",
+                                       schedule=schedule, virtual_stages=virtual)
+
+    hlo = jshard.jit(run).lower(*args).compile().as_text()
+    permuted = collections.Counter()
+    for pairs in re.findall(r"collective-permute(?:-start)?\(.*source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", hlo):
+        stages = {tuple(int(np.unravel_index(int(d), shape)[0]) for d in pair)
+                  for pair in re.findall(r"\{(\d+),(\d+)\}", pairs)}
+        permuted[frozenset(stages)] += 1
+    moves = _moves(make_schedule(schedule, shape[0], M, virtual))
+    needed = collections.Counter()
+    for way in (0, 1):  # forward, back
+        needed.update({frozenset(tick[way]) for tick in moves} - {frozenset()})
+    assert permuted == needed
 
 
 # -- the GPT, trained ---------------------------------------------------------------------------------------------
@@ -256,10 +328,14 @@ def test_explain_shows_the_schedule_and_the_sends_the_program_runs():
     row = next(r for r in explained.rows if r["primitive"] == "jshard_pipeline")
     assert schedule.table() in row["note"] and "      stage 3  ." in str(explained)
     activation = (B // 4 // 2) * S * W * 4  # one microbatch's activation block on a device: batch over dp
-    # a tick sends forward where a stage but the last ran a forward unit, back where one but the first a backward
+    # a tick sends forward where a stage but the last ran a forward unit, back where one but the first a backward:
+    # one permute over the stages that send, k of the 4 moving k / 4 of a block per device
     sends = int((schedule.forward[:, :-1] >= 0).any(axis=1).sum() + (schedule.backward[:, 1:] >= 0).any(axis=1).sum())
     assert sends < 2 * schedule.ticks
-    assert row["own"] == [("permute", ("pp",), activation, sends)]
+    assert [(kind, axes) for kind, axes, _, _ in row["own"]] == [("permute", ("pp",))] * 3
+    assert [nbytes for _, _, nbytes, _ in row["own"]] == [activation * k // 4 for k in (1, 2, 3)]
+    assert sum(n for *_, n in row["own"]) == sends
+    assert sum(nbytes * n for *_, nbytes, n in row["own"]) == 2 * 4 * 3 * activation // 4  # m (p - 1) hops each way
     # a call runs each layer's forward (again before its backward, but for a unit's last layer) and backward once per
     # microbatch and layer, the tail once per microbatch: their FSDP gathers as many times
     per = LAYERS // 4
