@@ -55,9 +55,16 @@ class Schedule:
         return itemsize * math.prod(self.round_shape(r))
 
 
+# the most devices an exchange is planned for: its schedule matches receivers to holders device by device
+# (quadratic in the devices: a second for one array at 96) and runs as many ``ppermute`` rounds; larger meshes (the
+# clusters ``jshard.parallel.predict`` prices) move by collectives alone
+MAX_DEVICES = 32
+
+
 def eligible(src: Spec, dst_placements) -> bool:
-    """Partial axes must stay as they are (the exchange moves values, it does not reduce them)."""
-    return (src.rank > 0 and all(n > 0 for n in src.shape)
+    """Partial axes must stay as they are (the exchange moves values, it does not reduce them), on a mesh of at
+    most ``MAX_DEVICES`` devices."""
+    return (src.rank > 0 and all(n > 0 for n in src.shape) and math.prod(src.mesh_shape) <= MAX_DEVICES
             and all(p == q for p, q in zip(src.placements, dst_placements, strict=True)
                     if p.is_partial or q.is_partial))
 

@@ -405,7 +405,7 @@ def _cut(buffer, sizes: list[int], axis_name: str, axis: int = 0) -> list:
 def _exchange(mesh, step: Step, spec: Spec) -> Callable:
     """Rounds of ppermute, each sending one sub-block per device (see ``jshard.exchange``)."""
     names = tuple(mesh.axis_names)
-    mesh_shape = tuple(mesh.devices.shape)
+    mesh_shape = tuple(mesh.axis_sizes)
     src, dst = spec.with_placements(step.src), spec.with_placements(step.dst)
     schedule = exchange_schedule(src, dst)
     padded = dst.local_block_shape
@@ -444,7 +444,7 @@ def _permute(mesh, step: Step, cur, tgt) -> Callable:
     names = tuple(mesh.axis_names)
     sigma = step.perm
     moved = [i for i in range(len(sigma)) if sigma[i] != i]
-    sizes = [mesh.devices.shape[i] for i in moved]
+    sizes = [mesh.axis_sizes[i] for i in moved]
     pairs = []
     for t in np.ndindex(*sizes):
         coord = dict(zip(moved, t, strict=True))
@@ -467,7 +467,7 @@ def _lower_step(mesh, step: Step, spec: Spec) -> Callable:
     dtype = spec.dtype
 
     mean = _Mean(step.scale, dtype)
-    group = int(np.prod([mesh.devices.shape[a] for a in axes]))
+    group = int(np.prod([mesh.axis_sizes[a] for a in axes]))
     if step.kind == "all_gather":  # _buckets relies on this: every all-gather can share a collective
         d = step.dim
         buf = _group_concat(cur[d], axes)
@@ -521,7 +521,7 @@ def _lower_step(mesh, step: Step, spec: Spec) -> Callable:
                                names, d))
     identity = reduce_identity(fill_op, dtype) if fill_op is not None else None
     zeroed = tuple(names[a] for a, (p, q) in enumerate(zip(step.src, step.dst, strict=True))
-                   if p.is_replicate and q.is_partial and q.op == "sum" and mesh.devices.shape[a] > 1)
+                   if p.is_replicate and q.is_partial and q.op == "sum" and mesh.axis_sizes[a] > 1)
 
     def local(x):
         for sel in selects:

@@ -70,7 +70,7 @@ from . import exchange
 from .caches import memo
 from .cost import CostModel
 from .placements import Placement, Replicate, StridedShard, format_placements, partial_ops_mix
-from .spec import Spec, cut_order, dim_layout
+from .spec import Spec, cut_order, padded_length
 
 __all__ = ["Step", "Plan", "plan_redistribute", "plan_uncached", "check_cost_model", "pricing", "model_in_force",
            "mean_carrier", "DEFAULT_COST_MODEL"]
@@ -249,8 +249,8 @@ def mean_carrier(dtype) -> np.dtype | None:
 @memo(65536)
 def _padded_lengths(shape: tuple[int, ...], mesh_shape: tuple[int, ...], state: tuple[Placement, ...]):
     return tuple(
-        dim_layout(n, mesh_shape, tuple((a, p.split_factor) for a, p in enumerate(state)
-                                        if p.is_shard and p.dim == d)).shape[-1]
+        padded_length(n, mesh_shape, tuple((a, p.split_factor) for a, p in enumerate(state)
+                                           if p.is_shard and p.dim == d))
         for d, n in enumerate(shape)
     )
 

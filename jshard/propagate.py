@@ -281,7 +281,7 @@ class Selection:
         if mesh is None:
             raise ValueError(f"select('{name}'): an equation without inputs needs mesh=")
         self.mesh = mesh
-        self.mesh_shape = tuple(mesh.devices.shape)
+        self.mesh_shape = tuple(mesh.axis_sizes)
         self.active = tuple(m for m, n in enumerate(self.mesh_shape) if n > 1)
         self.rule = rule_for(name)
         # the shard kinds to fill placeholders with: the inputs' and those consumers want (an input-free draw

@@ -74,7 +74,7 @@ def partition_pins(spec, mesh) -> dict[str, object]:
             raise ValueError(f"out_sharding={spec} names mesh axis {missing[0]!r}, but the mesh is "
                              f"{users_mesh(mesh)}; name its axes (the mesh parallelize was given)")
         order = [index[aliased_axis(n)] for n in names]
-        for a, p in shard_order(d, order, tuple(mesh.devices.shape)).items():
+        for a, p in shard_order(d, order, tuple(mesh.axis_sizes)).items():
             pins[users[mesh.axis_names[a]]] = p
     for name in getattr(spec, "unreduced", ()) or ():
         pins.pop(name, None)

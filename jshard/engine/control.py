@@ -84,7 +84,7 @@ def plan_while(eqn: jc.JaxprEqn, specs: list[Spec], mesh) -> tuple[Choice, Calla
 
     cost, carry, body = settle_carry(make, init, WHILE_TRIPS)
     cond = plan_jaxpr(p.cond, cconsts + carry, mesh)
-    whole = [s.with_placements((Replicate(),) * mesh.devices.ndim) for s in cond.out_specs]
+    whole = [s.with_placements((Replicate(),) * len(mesh.axis_names)) for s in cond.out_specs]
     body_fn, cond_fn = local_function(body, carry), local_function(cond, whole)  # every device takes one branch
 
     def kernel(*blocks):
@@ -100,7 +100,7 @@ def plan_while(eqn: jc.JaxprEqn, specs: list[Spec], mesh) -> tuple[Choice, Calla
 @control("cond")
 def plan_cond(eqn: jc.JaxprEqn, specs: list[Spec], mesh) -> tuple[Choice, Callable, tuple]:
     branches = cond_branches(eqn)
-    index = specs[0].with_placements((Replicate(),) * mesh.devices.ndim)  # every device takes the same branch
+    index = specs[0].with_placements((Replicate(),) * len(mesh.axis_names))  # every device takes the same branch
     ops = specs[1:]
     plans = [plan_jaxpr(b, ops, mesh) for b in branches]
     # each output settles where moving every branch's result costs least (ties: the first branch's)

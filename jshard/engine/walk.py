@@ -196,7 +196,7 @@ def replicated(mesh: Mesh, shape, dtype) -> Spec:
 
 @lru_cache(4096)  # a walk asks for one per literal operand, the same few again and again
 def _replicated(mesh: Mesh, shape: tuple, dtype) -> Spec:
-    return Spec(mesh, (Replicate(),) * mesh.devices.ndim, shape, dtype)
+    return Spec(mesh, (Replicate(),) * len(mesh.axis_names), shape, dtype)
 
 
 def move_cost(src: list[Spec], dst: list[Spec]) -> float:

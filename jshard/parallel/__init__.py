@@ -8,8 +8,10 @@ style carries its whole behaviour, see ``styles``), placing Flax's own layers by
 pipelined model's step by its schedule: ``stages``, ``pipeline``, ``schedule``).
 """
 
+from .hardware import Hardware, Link
 from .parallelize import parallelize, placements_of
 from .plan import Memory, Plan
+from .predict import Prediction, predict
 from .search import autoplan
 from .styles import (
     ColwiseParallel,
@@ -30,7 +32,6 @@ from .styles import (
 from .training import TrainStep, init_optimizer
 
 __all__ = ["ColwiseParallel", "ContextParallel", "DataParallel", "ExpertParallel", "ExpertTensorParallel",
-           "FullyShard", "Layout", "Memory",
-           "ParallelStyle", "PipelineParallel", "Plan", "RowwiseParallel", "SequenceParallel", "TrainStep",
-           "UnplacedParameter", "autoplan", "init_optimizer", "layout", "parallelize", "placements_of",
-           "style_classes"]
+           "FullyShard", "Hardware", "Layout", "Link", "Memory", "ParallelStyle", "PipelineParallel", "Plan",
+           "Prediction", "RowwiseParallel", "SequenceParallel", "TrainStep", "UnplacedParameter", "autoplan",
+           "init_optimizer", "layout", "parallelize", "placements_of", "predict", "style_classes"]

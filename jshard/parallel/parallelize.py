@@ -497,7 +497,7 @@ def _fsdp_inside(placements: list[Placement], styles: tuple[ParallelStyle, ...],
         axes = [a for a, p in enumerate(placements) if p.is_shard and p.dim == d]
         if len(axes) > 1 and gathered & set(axes):
             order = [a for a in axes if a not in gathered] + [a for a in axes if a in gathered]
-            for a, p in shard_order(d, order, tuple(mesh.devices.shape)).items():
+            for a, p in shard_order(d, order, tuple(mesh.axis_sizes)).items():
                 out[a] = p
     return out
 
@@ -507,7 +507,7 @@ def _annotated(var, mesh: Mesh, shape, dtype, rules: dict[str, Any]) -> tuple[Pl
     meta = var.get_metadata()
     names = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
     if not names:
-        return (Replicate(),) * mesh.devices.ndim
+        return (Replicate(),) * len(mesh.axis_names)
 
     def resolve(n):
         if n is None or n in mesh.axis_names:

@@ -48,7 +48,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import AbstractMesh, Mesh
 
 from ..cost import Communication
 from ..engine.constrain import hidden_axis
@@ -206,7 +206,9 @@ def plan_pipeline(eqn: jc.JaxprEqn, specs: list[Spec], mesh: Mesh) -> tuple[Choi
     depth, m = stacked[0].shape[0], x0.shape[0]
     sched = make_schedule(prm["kind"], p, m, v)
     split = split_placement(v)
-    sub = Mesh(np.take(mesh.devices, 0, axis=ax), tuple(a for a in mesh.axis_names if a != axis))
+    names = tuple(a for a in mesh.axis_names if a != axis)
+    sub = AbstractMesh(tuple(n for a, n in mesh.shape.items() if a != axis), names) \
+        if isinstance(mesh, AbstractMesh) else Mesh(np.take(mesh.devices, 0, axis=ax), names)  # priced: no devices
 
     # what the program takes: the layers split along the axis (dim 0 whole on the others), everything else
     # replicated along it; microbatch stacks whole along dim 0 (a tick reads one microbatch)

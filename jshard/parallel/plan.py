@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 from ..placements import Placement, format_placements
 from .styles import ParallelStyle
 
-__all__ = ["Memory", "Plan", "role_names"]
+__all__ = ["Memory", "Plan", "format_bytes", "role_names"]
 
 
 class Memory(NamedTuple):
@@ -67,15 +67,16 @@ class Plan:
 
     def explain(self) -> str:
         """The chosen style of every module, the predicted figures, and the runners-up with theirs."""
-        budget = "no memory budget" if self.budget is None else f"memory budget {_size(self.budget)} per device"
+        b = format_bytes
+        budget = "no memory budget" if self.budget is None else f"memory budget {b(self.budget)} per device"
         lines = [f"autoplan: {self.name}  ({budget}; searched in {self.solve_s:.2f} s)",
                  f"  predicted step {self.step_us / 1e3:.2f} ms ({self.detail.get('compute_us', 0) / 1e3:.2f} ms "
                  f"computing, {self.detail.get('comm_us', 0) / 1e3:.2f} ms communicating), "
-                 f"{_size(self.bytes_moved)} moved per device",
-                 f"  predicted memory {_size(self.memory.total)} per device: parameters {_size(self.memory.params)}, "
-                 f"gradients {_size(self.memory.grads)}, optimizer {_size(self.memory.optimizer)}, batch "
-                 f"{_size(self.memory.batch)}, activations and temporaries {_size(self.memory.activations)}",
-                 *([f"  compiled {_size(self.compiled_bytes)} per device, within the budget"]
+                 f"{b(self.bytes_moved)} moved per device",
+                 f"  predicted memory {b(self.memory.total)} per device: parameters {b(self.memory.params)}, "
+                 f"gradients {b(self.memory.grads)}, optimizer {b(self.memory.optimizer)}, batch "
+                 f"{b(self.memory.batch)}, activations and temporaries {b(self.memory.activations)}",
+                 *([f"  compiled {b(self.compiled_bytes)} per device, within the budget"]
                    if self.compiled_bytes is not None else []),
                  "  batch: " + ", ".join(format_placements(p) for p in self.batch),
                  "  default: " + (", ".join(map(_style, self.default)) or "none")]
@@ -84,8 +85,8 @@ class Plan:
         if self.runners_up:
             lines.append("  runners-up:")
             for p in self.runners_up:
-                lines.append(f"    {p.name:<28} step {p.step_us / 1e3:8.2f} ms  moved {_size(p.bytes_moved):>9}  "
-                             f"memory {_size(p.memory.total):>9}")
+                lines.append(f"    {p.name:<28} step {p.step_us / 1e3:8.2f} ms  moved {b(p.bytes_moved):>9}  "
+                             f"memory {b(p.memory.total):>9}")
         if self.rejected:
             lines.append("  left out:")
             lines.extend(f"    {name:<28} {why}" for name, why in self.rejected)
@@ -105,7 +106,12 @@ def _style(s: ParallelStyle) -> str:
     return f"{type(s).__name__}({s.axis!r})"
 
 
-def _size(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """``n`` bytes in GiB, MiB, KiB or B, two decimals.
+
+    >>> format_bytes(3 * 2**29)
+    '1.50 GiB'
+    """
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             return f"{n / scale:.2f} {unit}"

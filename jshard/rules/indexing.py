@@ -109,9 +109,12 @@ def _rows_table(src: Spec, sd: int, dst: Spec, dd: int) -> PerDevice:
 def _rows_within(inner: Spec, di: int, outer: Spec, do: int) -> bool:
     """Does every device hold, along ``do`` of ``outer``, each global index it holds along ``di`` of
     ``inner``? (A Replicate-then-take operand must have the rows its indices ask for.)"""
-    if not outer.chain(do):
-        return True
-    a, b = inner.layouts[di], outer.layouts[do]
+    if not outer.chain(do) or (inner.shape[di], inner.chain(di)) == (outer.shape[do], outer.chain(do)):
+        return True  # the operand whole there, or cut as the indices are
+    # the layouts vary along their chains' axes only: one device per combination of coordinates there
+    axes = {ax for ax, _ in inner.chain(di) + outer.chain(do)}
+    pick = tuple(slice(None) if ax in axes else slice(0, 1) for ax in range(len(inner.mesh_shape)))
+    a, b = inner.layouts[di][pick], outer.layouts[do][pick]
     return all(np.isin(a[c][a[c] >= 0], b[c]).all() for c in np.ndindex(*a.shape[:-1]))
 
 

@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import MESH_SHAPES, make_mesh
 from jshard import LayoutError, Partial, PlacementError, Replicate, Shard, Spec, StridedShard
-from jshard.spec import chunk_sizes
-from oracle import reference_indices
+from jshard.spec import chunk_sizes, dim_layout, even_length, padded_length
+from oracle import reference_indices, torch_chunk
 
 
 @pytest.mark.parametrize("length, sizes", [(8, [2, 2, 2, 2]), (10, [3, 3, 3, 1]), (9, [3, 3, 3, 0]),
@@ -75,6 +75,29 @@ def test_layout_matches_independent_reference(mesh_shape, shape, data):
         assert got == want, (spec, coords)
         assert spec.local_shape(coords) == tuple(map(len, want))
     assert spec.local_block_shape == tuple(np.max(spec.local_shapes.reshape(-1, len(shape)), axis=0))
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 4), (4, 2), (2, 2, 2), (1, 8)])
+def test_a_dims_layout_in_any_cut_order_and_its_padded_length(mesh_shape):
+    """``dim_layout`` computes each index list once per coordinate of the chain's own axes and broadcasts it over
+    the others, with the chain's axes cutting in the chain's order (the planner asks for orders other than the
+    mesh's); ``padded_length`` follows only the lengths. Both against cutting every device's list afresh."""
+    for length in range(0, 19):
+        for r in range(len(mesh_shape) + 1):
+            for axes in itertools.permutations(range(len(mesh_shape)), r):
+                for factors in itertools.product((1, 2, 4), repeat=r):
+                    chain = tuple(zip(axes, factors, strict=True))
+                    table = dim_layout(length, mesh_shape, chain)
+                    for coords in itertools.product(*map(range, mesh_shape)):
+                        idx = list(range(length))
+                        for a, sf in chain:
+                            blocks = torch_chunk(idx, sf)
+                            idx = [i for b in blocks for i in torch_chunk(b, mesh_shape[a])[coords[a]]]
+                        row = table[coords]
+                        assert row[row >= 0].tolist() == idx, (length, chain, coords)
+                    assert padded_length(length, mesh_shape, chain) == table.shape[-1], (length, chain)
+                    even = even_length(length, mesh_shape, chain)
+                    assert even is None or (table >= 0).sum(-1).min() == even == table.shape[-1], (length, chain)
 
 
 def test_compact_printing():

@@ -16,8 +16,9 @@ from modules import Gain
 import jshard
 from jshard import sharded_attention
 from jshard.gpt import GPT, cross_entropy
-from jshard.parallel import Plan, TrainStep, autoplan, parallelize
-from jshard.parallel import search as planning
+from jshard.parallel import Plan, TrainStep, autoplan, parallelize, pricing
+from jshard.parallel import roles as role_rules
+from jshard.parallel.hardware import Hardware
 from tests.conftest import make_mesh, mesh_params
 
 VOCAB, W, HEADS, LAYERS, SEQ, BATCH = 64, 32, 2, 2, 16, 8
@@ -85,9 +86,9 @@ def test_a_candidate_is_priced_on_its_own_mesh_order(roles):
     attention's layout otherwise: 1.6x the bytes on the 32-layer GPT."""
     mesh = make_mesh((2, 4))
     model = nnx.eval_shape(_make())
-    tensor = planning._tensor_sides(model, _loss, (IDS, IDS))
-    priced = planning._priced(model, ("blocks",), mesh, dict(zip(mesh.axis_names, roles, strict=True)), tensor,
-                              _loss, (IDS, IDS), optax.adamw(1e-3), planning._machine(mesh), {})
+    tensor = role_rules.tensor_sides(model, _loss, (IDS, IDS))
+    priced = pricing.price(model, ("blocks",), mesh, dict(zip(mesh.axis_names, roles, strict=True)), tensor,
+                           _loss, (IDS, IDS), optax.adamw(1e-3), Hardware.measure(mesh), {})
     step = TrainStep(parallelize(_make(), mesh, priced), optax.adamw(1e-3), _loss)
     batch = [jshard.distribute(a, mesh, list(p)) for a, p in zip(_batches(1)[0], priced.batch, strict=True)]
     assert priced.bytes_moved == sum(n for _, n in step.explain(*batch).per_call.values())
@@ -126,7 +127,7 @@ def test_the_compiler_has_the_last_word_on_a_budget(monkeypatch):
     made to miss every temporary, so each plan it lets in is over once compiled, and refused naming both figures;
     under a budget that holds, the plan carries the compiled step's bytes, exactly (its depth is the one priced)."""
     mesh = make_mesh((2, 4))
-    monkeypatch.setattr(planning, "_peak", lambda plan, ours, fused: lambda more: 0)
+    monkeypatch.setattr(pricing, "_peak", lambda plan, ours, fused: lambda more: 0)
     free = autoplan(_make(), mesh, _loss, IDS, IDS, styles=("dp", "fsdp"))
     budget = min(p.memory.total for p in (free, *free.runners_up)) + 1  # the smallest plan predicted to fit
     with pytest.raises(ValueError, match=rf"memory_budget={budget:,} bytes .* once compiled: .*over the budget "
@@ -153,11 +154,11 @@ def test_styles_limit_the_roles_and_the_plan_explains_itself():
 def test_the_depth_extrapolation_equals_pricing_the_whole_model(shape, roles):
     mesh = make_mesh(shape)
     model = nnx.eval_shape(_make(4))
-    tensor = planning._tensor_sides(model, _loss, (IDS, IDS))
-    machine = planning._machine(mesh)
+    tensor = role_rules.tensor_sides(model, _loss, (IDS, IDS))
+    hardware = Hardware.measure(mesh)
     roles = dict(zip(mesh.axis_names, roles, strict=True))
-    cut = planning._priced(model, ("blocks",), mesh, roles, tensor, _loss, (IDS, IDS), optax.adamw(1e-3), machine, {})
-    whole = planning._priced(model, None, mesh, roles, tensor, _loss, (IDS, IDS), optax.adamw(1e-3), machine, {})
+    cut = pricing.price(model, ("blocks",), mesh, roles, tensor, _loss, (IDS, IDS), optax.adamw(1e-3), hardware, {})
+    whole = pricing.price(model, None, mesh, roles, tensor, _loss, (IDS, IDS), optax.adamw(1e-3), hardware, {})
     assert cut.memory == whole.memory and cut.bytes_moved == whole.bytes_moved
     figures = ("compute_us", "comm_us", "flops")
     assert [cut.detail[k] for k in figures] == pytest.approx([whole.detail[k] for k in figures], rel=1e-9)
@@ -166,13 +167,13 @@ def test_the_depth_extrapolation_equals_pricing_the_whole_model(shape, roles):
 def test_candidates_sharing_one_trace_are_priced_as_if_traced_alone():
     mesh = make_mesh((2, 4))
     model = nnx.eval_shape(_make())
-    tensor = planning._tensor_sides(model, _loss, (IDS, IDS))
-    machine, tx, store = planning._machine(mesh), optax.adamw(1e-3), {}
+    tensor = role_rules.tensor_sides(model, _loss, (IDS, IDS))
+    hardware, tx, store = Hardware.measure(mesh), optax.adamw(1e-3), {}
     for roles in ({"dp": "dp", "tp": "tp"}, {"dp": "tp", "tp": "dp"}, {"dp": "fsdp", "tp": "tp"},
                   {"dp": "fsdp", "tp": "sp"}, {"dp": "sp", "tp": "fsdp"}, {"dp": "dp", "tp": "sp"},
                   {"dp": "cp", "tp": "fsdp"}):
-        shared = planning._priced(model, ("blocks",), mesh, roles, tensor, _loss, (IDS, IDS), tx, machine, store)
-        alone = planning._priced(model, ("blocks",), mesh, roles, tensor, _loss, (IDS, IDS), tx, machine, {})
+        shared = pricing.price(model, ("blocks",), mesh, roles, tensor, _loss, (IDS, IDS), tx, hardware, store)
+        alone = pricing.price(model, ("blocks",), mesh, roles, tensor, _loss, (IDS, IDS), tx, hardware, {})
         assert (shared.detail, shared.memory, shared.bytes_moved) == (alone.detail, alone.memory, alone.bytes_moved)
     # the same roles on the axes in either order, and dp or fsdp on a data axis, share a trace (each candidate pins
     # the gradients in it to its own parameters' placements) and are each planned on their own mesh
@@ -185,13 +186,13 @@ def test_data_parallelism_is_priced_as_it_runs(roles, monkeypatch):
     shares its FSDP twin's trace; the gathers ask for what is there, and every figure is as without them."""
     mesh = make_mesh((2, 4))
     model = nnx.eval_shape(_make())
-    tensor = planning._tensor_sides(model, _loss, (IDS, IDS))
-    machine, tx = planning._machine(mesh), optax.adamw(1e-3)
+    tensor = role_rules.tensor_sides(model, _loss, (IDS, IDS))
+    hardware, tx = Hardware.measure(mesh), optax.adamw(1e-3)
     roles = dict(zip(mesh.axis_names, roles, strict=True))
-    priced = planning._priced(model, ("blocks",), mesh, roles, tensor, _loss, (IDS, IDS), tx, machine, {})
-    styles = planning._styles_of
-    monkeypatch.setattr(planning, "_styles_of", lambda *args, pricing=False: styles(*args))
-    plain = planning._priced(model, ("blocks",), mesh, roles, tensor, _loss, (IDS, IDS), tx, machine, {})
+    priced = pricing.price(model, ("blocks",), mesh, roles, tensor, _loss, (IDS, IDS), tx, hardware, {})
+    styles = role_rules.styles_of
+    monkeypatch.setattr(pricing, "styles_of", lambda *args, pricing=False: styles(*args))
+    plain = pricing.price(model, ("blocks",), mesh, roles, tensor, _loss, (IDS, IDS), tx, hardware, {})
     assert (priced.detail, priced.memory, priced.bytes_moved, priced.step_us) == \
         (plain.detail, plain.memory, plain.bytes_moved, plain.step_us)
 
@@ -256,7 +257,7 @@ def test_the_garbage_collector_waits_for_the_search_and_is_left_as_found():
 
 
 def test_the_dataflow_reads_which_side_each_layer_takes():
-    sides = planning._tensor_sides(nnx.eval_shape(_make()), _loss, (IDS, IDS))
+    sides = role_rules.tensor_sides(nnx.eval_shape(_make()), _loss, (IDS, IDS))
     assert {k: sides[k] for k in ("blocks/*/q", "blocks/*/k", "blocks/*/v", "blocks/*/up", "head")} == \
         dict.fromkeys(("blocks/*/q", "blocks/*/k", "blocks/*/v", "blocks/*/up", "head"), "col")
     assert sides["blocks/*/o"] == sides["blocks/*/down"] == "row"
@@ -271,7 +272,7 @@ def test_the_dataflow_reads_which_side_each_layer_takes():
             return self.c(jax.nn.relu(self.b(jax.nn.relu(self.a(x)))))
 
     x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
-    sides = planning._tensor_sides(nnx.eval_shape(lambda: Chain(nnx.Rngs(0))), lambda m, x: jnp.mean(m(x)), (x,))
+    sides = role_rules.tensor_sides(nnx.eval_shape(lambda: Chain(nnx.Rngs(0))), lambda m, x: jnp.mean(m(x)), (x,))
     assert sides == {"a": "col", "b": "row", "c": "col"}
 
 

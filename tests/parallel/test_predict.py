@@ -1,0 +1,150 @@
+"""``predict`` and ``Hardware``: one configuration priced on hardware we do not hold, on abstract meshes of any size,
+by the same pricing ``autoplan`` uses; the model's FLOPs by the MFU convention; a toy model's prediction on the
+measured CPU devices against its measured step."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+import jshard
+from jshard.gpt import GPT, cross_entropy
+from jshard.parallel import Hardware, Link, TrainStep, autoplan, parallelize, predict
+from tests.conftest import make_mesh
+
+VOCAB, W, HEADS, LAYERS, SEQ, BATCH = 512, 64, 4, 4, 32, 16
+
+
+def _make(layers=LAYERS, vocab=VOCAB, dim=W, seq=SEQ):
+    return lambda: GPT(vocab=vocab, dim=dim, heads=HEADS, layers=layers, seq=seq, rngs=nnx.Rngs(0))
+
+
+def _loss(model, ids, labels):
+    return cross_entropy(model(ids), labels)
+
+
+IDS = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
+
+
+def test_the_model_flops_are_megatrons_formula():
+    """Three times the forward's matmuls at global shape, attention at full length, the head counted, the embedding
+    lookups not: for a GPT that is Megatron-LM's 72 B s L h^2 (1 + s / 6h + V / 12 L h), exactly."""
+    b, s, layers, h, v = 4, 64, 3, 128, 1000
+    ids = jax.ShapeDtypeStruct((b, s), jnp.int32)
+    p = predict(_make(layers, v, h, s), _loss, ids, ids, hardware=Hardware.h100(), roles={"dp": 4})
+    assert p.model_flops == pytest.approx(72 * b * s * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h)))
+    assert p.mfu == pytest.approx(p.model_flops / (p.step_s * 4 * Hardware.h100().flops))
+    assert p.tokens_per_s_per_chip == pytest.approx(b * s / p.step_s / 4)
+
+
+def test_predict_prices_as_autoplan_does_on_a_mesh_it_holds():
+    """On the 8 devices, with their measured hardware, a configuration's prediction is autoplan's price of the same
+    roles: one pricing for both."""
+    mesh = make_mesh((2, 4))
+    hardware = Hardware.measure(mesh)
+    plan = autoplan(_make(), mesh, _loss, IDS, IDS, styles=("fsdp", "tp"), runners_up=8)
+    chosen = next(p for p in (plan, *plan.runners_up) if p.roles == {"dp": "fsdp", "tp": "tp"})
+    got = predict(_make(), _loss, IDS, IDS, hardware=hardware, roles={"fsdp": 2, "tp": 4})
+    assert got.step_s == pytest.approx(chosen.step_us / 1e6, rel=1e-9)
+    assert got.memory == chosen.memory and got.bytes_moved == chosen.bytes_moved
+
+
+def test_sixteen_thousand_chips_need_no_devices():
+    """An abstract mesh of 16,384 H100s: tensor parallelism inside a node, the data axis across nodes; the
+    parameters, gradients and optimizer state are split 16,384 ways, the links priced by level."""
+    ids = jax.ShapeDtypeStruct((2048, SEQ), jnp.int32)
+    start = time.perf_counter()
+    p = predict(_make(), _loss, ids, ids, hardware=Hardware.h100(), roles={"fsdp": 2048, "tp": 8})
+    assert time.perf_counter() - start < 120  # seconds, not the minutes a per-device walk would take
+    assert p.chips == 16384 and p.plan.roles == {"fsdp": "fsdp", "tp": "tp"}
+    model = nnx.eval_shape(_make())
+    params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert p.memory.params <= 2 * params / 16384 + 4096  # padded blocks of small vectors aside
+    assert p.comm_s["inter"] > 0 and p.comm_s["intra"] > 0
+    assert 0 < p.mfu < 1 and p.fits
+    assert "fsdp=2048 x tp=8 on 16,384 x H100 SXM" in p.explain()
+
+
+def test_levels_follow_the_mesh_order():
+    h100 = Hardware.h100()
+    mesh = jax.sharding.AbstractMesh((16, 4, 2), ("dp", "cp", "tp"))
+    assert [h100.level(mesh, a) for a in mesh.axis_names] == ["inter", "intra", "intra"]
+    costs = h100.costs(mesh)
+    assert costs.axis("tp").bandwidth_gbps == pytest.approx(450) and costs.axis("dp").bandwidth_gbps == 50
+    assert h100.levels(mesh, ("cp", "tp")) == "intra" and h100.levels(mesh, ("dp", "tp")) == "inter"
+    # the same collective costs more across nodes
+    assert costs.collective("all_reduce", ("dp",), 4, 2**20) > costs.collective("all_reduce", ("cp",), 4, 2**20)
+
+
+def test_the_presets_and_their_overrides():
+    for preset in (Hardware.h100, Hardware.a100, Hardware.tpu_v5p, Hardware.tpu_v6e):
+        h = preset()
+        assert h.flops > 1e14 and h.hbm_bytes > 2**34 and h.intra.bandwidth > h.inter.bandwidth
+    assert Hardware.h100(hbm_bytes=96 * 2**30).hbm_bytes == 96 * 2**30
+    with pytest.raises(TypeError, match=r"\['hbm'\] are not fields of Hardware"):
+        Hardware.h100(hbm=1)
+    with pytest.raises(ValueError, match="efficiency is a share"):
+        Hardware.h100(efficiency=1.5)
+    with pytest.raises(TypeError, match="intra must be a Link"):
+        Hardware.h100(intra=450e9)
+    assert Hardware.h100(intra=Link(900e9, 1e-6)).intra.bandwidth == 900e9
+
+
+@pytest.mark.parametrize("kwargs,error,words", [
+    (dict(roles={"dp": 2, "xp": 4}), ValueError, "maps each role"),
+    (dict(roles={"dp": 0}), ValueError, "maps each role"),
+    (dict(roles={"tp": 2, "sp": 2}), ValueError, "two tensor axes"),
+    (dict(roles={"dp": 3}), ValueError, "16 rows do not split over the data axes \\(3 ways"),
+    (dict(roles={"pp": 3}), ValueError, "pp=3 stages.*4 blocks"),
+    (dict(roles={"ep": 2}), ValueError, "no mixture of experts"),
+    (dict(roles={"dp": 2}, remat="full"), ValueError, "remat is one of"),
+    (dict(roles={"dp": 2}, microbatches=4), ValueError, "with a 'pp' role"),
+    (dict(roles={"dp": 2}, hardware="h100"), TypeError, "hardware must be a jshard.parallel.Hardware"),
+])
+def test_bad_configurations_are_refused_by_name(kwargs, error, words):
+    kwargs = {"hardware": Hardware.h100(), **kwargs}
+    with pytest.raises(error, match=words):
+        predict(_make(), _loss, IDS, IDS, **kwargs)
+
+
+def test_remat_trades_memory_for_compute():
+    ids = jax.ShapeDtypeStruct((64, SEQ), jnp.int32)
+    kept = predict(_make(), _loss, ids, ids, hardware=Hardware.h100(), roles={"dp": 8})
+    again = predict(_make(), _loss, ids, ids, hardware=Hardware.h100(), roles={"dp": 8}, remat="block")
+    assert again.memory.activations < kept.memory.activations
+    assert again.plan.detail["flops"] > kept.plan.detail["flops"]
+    assert again.model_flops == kept.model_flops  # recomputation is not the model's
+
+
+def test_a_pipeline_is_priced_by_its_schedule():
+    ids = jax.ShapeDtypeStruct((32, SEQ), jnp.int32)
+    p = predict(_make(), _loss, ids, ids, hardware=Hardware.h100(), roles={"dp": 2, "pp": 4}, microbatches=8)
+    assert p.plan.detail["microbatches"] == 8 and p.plan.detail["pipeline_us"] > 0
+    assert "pipeline's schedule" in p.explain()
+
+
+@pytest.mark.slow
+def test_a_toy_prediction_on_the_measured_devices_is_near_its_measured_step():
+    """The issue's check: ``Hardware.measure`` on the 8 CPU devices, a toy GPT's predicted step within 25% of the
+    step ``TrainStep`` runs (the median of several, measured right after the hardware, in this process). Marked slow:
+    on 2 shared cores a step's time is noise-bound; ``benchmarks/published.py`` prints the same comparison."""
+    mesh = make_mesh((2, 4))
+    make = _make(layers=2, vocab=2048, dim=256, seq=64)
+    ids = jax.ShapeDtypeStruct((32, 64), jnp.int32)
+    hardware = Hardware.measure(mesh)
+    p = predict(make, _loss, ids, ids, hardware=hardware, roles={"dp": 2, "tp": 4})
+    step = TrainStep(parallelize(make, mesh, p.plan), optax.adamw(1e-3), _loss)
+    batch = [jshard.distribute(jnp.zeros((32, 64), jnp.int32), mesh, list(pl)) for pl in p.plan.batch]
+    jax.block_until_ready(step(*batch))
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        jax.block_until_ready(step(*batch))
+        times.append(time.perf_counter() - start)
+    measured = sorted(times)[len(times) // 2]
+    assert p.step_s == pytest.approx(measured, rel=0.25), (p.step_s, measured)
