@@ -321,7 +321,7 @@ def plan(style: str, dp: str = "dp", tp: str = "tp", cp: str = "cp", method: str
     >>> plan("tp")[0]["blocks/*/o"]
     RowwiseParallel(axis='tp', input=None, output=R)
     >>> plan("fsdp+cp+tp", method="ring")[0][""].method, plan("fsdp+cp+tp")[1]
-    ('ring', (FullyShard(axis='dp', input=None, output=None, dim=0),))
+    ('ring', (FullyShard(axis='dp', input=None, output=None, dim=0, param_dtype=None),))
     >>> plan("pp+tp", microbatches=8)[0]["blocks"].microbatches
     8
     >>> plan("dp+ep")[0]

@@ -28,6 +28,9 @@ import traceback
 import jax
 
 PROCESS_ID, PORT, RESULT = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+# "all", or "newest": the newest releases' share of the suite leaves the pipelined, autoplanned and resumed GPTs
+# (three quarters of the time) to the floor's run, and checks everything else again (tests/conftest.py, JSHARD_SUITE)
+SHARE = sys.argv[4] if len(sys.argv) > 4 else "all"
 
 from jshard.launch import join  # noqa: E402 - jshard.launch imports no JAX device code
 
@@ -851,8 +854,9 @@ def main() -> None:
     for kind in ("scanned", "explicit", "moe"):
         check(f"gpt/{kind}_2x4", check_gpt_model_patterns, kind)
     check("gpt/cp8_ring", check_gpt_context_parallel)
-    check("gpt/autoplan_2x4", check_gpt_autoplan)
-    check("gpt/pp2xdp2xtp2_pp_across", check_gpt_pipeline)
+    if SHARE == "all":
+        check("gpt/autoplan_2x4", check_gpt_autoplan)
+        check("gpt/pp2xdp2xtp2_pp_across", check_gpt_pipeline)
     for key in MESHES:
         check(f"checkpoint/save_{key}", check_checkpoint_save, key)
     for saved_key, target_key in [("2x4", "4x2"), ("4x2", "8"), ("8", "2x4"), ("2x4", "2x4")]:
@@ -860,8 +864,9 @@ def main() -> None:
     for saved_key in MESHES:
         check(f"checkpoint/{saved_key}->orbax", check_checkpoint_read_by_orbax, saved_key)
     check("checkpoint/local_devices", check_checkpoint_on_local_devices)
-    check("checkpoint/gpt_resume", check_gpt_resume)
-    check("checkpoint/gpt_pipeline_resume", check_gpt_pipeline_resume)
+    if SHARE == "all":
+        check("checkpoint/gpt_resume", check_gpt_resume)
+        check("checkpoint/gpt_pipeline_resume", check_gpt_pipeline_resume)
     RESULTS["seconds"]["total"] = round(time.perf_counter() - t0, 3)
     RESULTS["done"] = True
     save()

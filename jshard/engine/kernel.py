@@ -78,7 +78,21 @@ def local_function(plan: JaxprPlan, pins: list | None = None) -> Callable:
     Consecutive constraints (a training step's gradients pinned to their parameters' placements) move their
     operands side by side, and so do the outputs moved to ``pins``: their reduce-scatters and all-gathers share
     collectives (``jshard.lowering.local_programs``), where the model that priced ``plan`` says sharing pays.
+
+    Made when first called: a plan that is only priced (a loop's or a pipeline's body, on a mesh of thousands of
+    abstract devices, whose moves' index tables would be as large) never makes it.
     """
+    made: list[Callable] = []
+
+    def lazy(*blocks):
+        if not made:
+            made.append(_local_function(plan, pins))
+        return made[0](*blocks)
+
+    return lazy
+
+
+def _local_function(plan: JaxprPlan, pins: list | None) -> Callable:
     finals = out_moves(plan, pins or [None] * len(plan.outs))
     kernels = [eq.kernel or ((lambda x: [x]) if eq.eqn.primitive is constrain_p else
                              local_equation(eq.eqn.primitive, eq.eqn.params, eq.choice.ins, eq.choice.outs))

@@ -238,14 +238,18 @@ def _measured(devices: tuple, dtype: str) -> Hardware:
         figures = np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(figures, np.float32)), np.float64)
     flops, bandwidth, launch, latency, link = (float(f) for f in figures)
     one = Link(bandwidth=link if n > 1 else 1e12, latency=latency)
-    return Hardware(name=f"measured: {n} x {devices[0].device_kind}", flops=flops, hbm_bytes=_memory(devices[0]),
+    mine = next((d for d in devices if d.process_index == jax.process_index()), devices[0])
+    return Hardware(name=f"measured: {n} x {devices[0].device_kind}", flops=flops, hbm_bytes=_memory(mine),
                     hbm_bandwidth=bandwidth, chips_per_node=n, intra=one, inter=one, launch=launch)
 
 
 def _memory(device) -> int:
-    """The device's memory in bytes where it says (accelerators), else the host's share of RAM as XLA:CPU has it
-    (one emulated device: the host's, undivided; a budget is then the caller's to give)."""
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    """The device's memory in bytes where it says (accelerators; a device of this process), else the host's RAM
+    (XLA:CPU's emulated devices share it: a budget is then the caller's to give)."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001  (XLA:CPU and older plugins say nothing, or refuse)
+        stats = None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
     try:

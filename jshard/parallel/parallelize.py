@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 
 import flax
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -331,10 +332,13 @@ def _units(matched: _Matched, params: list[_Placed]) -> dict[tuple, tuple]:
     ``ParallelStyle.pin``), each one's path below it and its ``(mesh axis, placement while it runs)`` pairs, in
     ``nnx.iter_graph`` order."""
     gathers: dict[tuple, dict[tuple, list]] = {}
+    casts: dict[tuple, Any] = {}  # (unit, path below it) -> the dtype a gathering style casts it to first
     for p in params:
         for style, unit in p.placing.values():
             if style.compute is not None:
                 gathers.setdefault(unit, {}).setdefault(p.path[len(unit):], []).append((style.axis, style.compute))
+                if getattr(style, "param_dtype", None) is not None:
+                    casts[unit, p.path[len(unit):]] = style.param_dtype
             elif unit == p.owner and callable(matched.modules[unit]):  # a style keeping its parameter in place
                 shape = tuple(np.shape(p.value))
                 kept = style.pin(matched.modules[unit], str(p.path[-1]), shape)
@@ -347,7 +351,8 @@ def _units(matched: _Matched, params: list[_Placed]) -> dict[tuple, tuple]:
                              f"gathers the parameters inside it when {type(matched.modules[unit]).__name__} is called, "
                              "and it is never called (it has no __call__); match the modules it holds instead, one "
                              "unit each (say {f'blocks/{i}': FullyShard('dp') for i in range(layers)})")
-    return {unit: tuple((rel, tuple(axes)) for rel, axes in g.items()) for unit, g in gathers.items()}
+    return {unit: tuple((rel, tuple(axes), casts.get((unit, rel))) for rel, axes in g.items())
+            for unit, g in gathers.items()}
 
 
 def _build(model: nnx.Module, build: Constructor | None, mesh: Mesh, params: list[_Placed],
@@ -542,9 +547,11 @@ def _constrained(cls: type, styles: tuple[ParallelStyle, ...], gather: tuple) ->
     """``cls`` whose ``__call__`` constrains its inputs and outputs where ``styles`` place them, runs inside their
     ``context()``, and with the parameters it gathers at their compute placements (FSDP's gather, of a unit's
     parameters together; the gradient is left to find its way back to the shard). ``gather``: per parameter, its
-    path below the module and its ``(axis, compute placement)`` pairs. Called outside ``jshard.jit`` (its parameters
+    path below the module, its ``(axis, compute placement)`` pairs and the dtype it is cast to on its shard before
+    it is gathered (None: its own; ``FullyShard.param_dtype``). Called outside ``jshard.jit`` (its parameters
     DArrays, not tracers), it runs itself through ``jshard.jit`` (see ``_eagerly``)."""
-    computes = [dict(axes) for _, axes in gather]
+    computes = [dict(axes) for _, axes, _ in gather]
+    casts = [dtype for _, _, dtype in gather]
 
     def __call__(self, *args, **kwargs):
         if _outside_jit(self, args, kwargs):
@@ -556,9 +563,11 @@ def _constrained(cls: type, styles: tuple[ParallelStyle, ...], gather: tuple) ->
         # sharded type: no mesh context needed, and JAX's explicit-mode type errors never reach the code after it
         pin = kwargs.pop("out_sharding", None) if takes_out_sharding else None
         args, kwargs = _constrain_inputs(self, styles, args, kwargs)
-        params = [_below(self, rel) for rel, _ in gather]
+        params = [_below(self, rel) for rel, _, _ in gather]
         stored = [v.get_value() for v in params]
-        for v, value, compute in zip(params, stored, computes, strict=True):
+        for v, value, compute, dtype in zip(params, stored, computes, casts, strict=True):
+            if dtype is not None and jnp.issubdtype(value.dtype, jnp.floating):
+                value = value.astype(dtype)
             v.set_value(constrain(value, compute, pin_gradient=False))
         try:
             with contextlib.ExitStack() as contexts:

@@ -44,6 +44,9 @@ class Plan:
     ``solve_s``: seconds the search took; ``compiled_bytes``: under a budget, the compiled step's bytes per
     device (``memory_analysis``'s arguments and temporaries, at the depth the plan was priced at, the further
     blocks' predicted share added), checked against the budget; None without one (runners-up are not compiled).
+    ``mesh_shape`` / ``axis_names``: the mesh the plan runs on (``jax.make_mesh(plan.mesh_shape, plan.axis_names)``:
+    what to build when ``autoplan`` was given a chip count); ``mfu`` and ``tokens_per_s_per_chip``: the predicted
+    model FLOPs utilisation and throughput, where ``autoplan`` planned a chip count (see ``predict``).
     """
 
     roles: dict[str, str]
@@ -59,20 +62,38 @@ class Plan:
     solve_s: float = 0.0
     detail: dict[str, Any] = field(default_factory=dict, compare=False)
     compiled_bytes: int | None = None
+    mesh_shape: tuple[int, ...] = ()
+    axis_names: tuple[str, ...] = ()
+    mfu: float | None = None
+    tokens_per_s_per_chip: float | None = None
+
+    @property
+    def step_s(self) -> float:
+        """The predicted step in seconds."""
+        return self.step_us / 1e6
 
     @property
     def name(self) -> str:
-        """The roles as one word per axis, ``"fsdp(dp)+tp(tp)"``."""
-        return role_names(self.roles)
+        """The roles as one word per axis, ``"fsdp(dp)+tp(tp)"`` (on an abstract mesh whose axes are named by their
+        roles, with their sizes: ``"fsdp64xpp2xsp8"``), a pipeline's microbatches and recomputed blocks after it."""
+        named = self.detail.get("abstract") and all(a == r for a, r in self.roles.items())
+        name = "x".join(f"{r}{n}" for r, n in zip(self.axis_names, self.mesh_shape, strict=True)) if named else \
+            role_names(self.roles)
+        extra = [f"m={self.detail['microbatches']}"] if self.detail.get("microbatches") else []
+        return " ".join([name, *extra, *(["remat"] if self.detail.get("remat") else [])])
 
     def explain(self) -> str:
-        """The chosen style of every module, the predicted figures, and the runners-up with theirs."""
+        """The chosen style of every module, the predicted figures, and the runners-up with theirs: why the plan
+        beats them (its step split into compute, each link level's collectives, a pipeline's schedule; its
+        memory)."""
         b = format_bytes
         budget = "no memory budget" if self.budget is None else f"memory budget {b(self.budget)} per device"
-        lines = [f"autoplan: {self.name}  ({budget}; searched in {self.solve_s:.2f} s)",
-                 f"  predicted step {self.step_us / 1e3:.2f} ms ({self.detail.get('compute_us', 0) / 1e3:.2f} ms "
-                 f"computing, {self.detail.get('comm_us', 0) / 1e3:.2f} ms communicating), "
-                 f"{b(self.bytes_moved)} moved per device",
+        mesh = f" on mesh {dict(zip(self.axis_names, self.mesh_shape, strict=True))}" if self.axis_names else ""
+        lines = [f"autoplan: {self.name}{mesh}  ({budget}; searched in {self.solve_s:.2f} s)",
+                 f"  predicted step {self.step_us / 1e3:.2f} ms: {_split(self)}; {b(self.bytes_moved)} moved per "
+                 "device",
+                 *([f"  predicted MFU {self.mfu:.1%}, {self.tokens_per_s_per_chip:,.0f} tokens/s per chip"]
+                   if self.mfu is not None else []),
                  f"  predicted memory {b(self.memory.total)} per device: parameters {b(self.memory.params)}, "
                  f"gradients {b(self.memory.grads)}, optimizer {b(self.memory.optimizer)}, batch "
                  f"{b(self.memory.batch)}, activations and temporaries {b(self.memory.activations)}",
@@ -85,12 +106,28 @@ class Plan:
         if self.runners_up:
             lines.append("  runners-up:")
             for p in self.runners_up:
-                lines.append(f"    {p.name:<28} step {p.step_us / 1e3:8.2f} ms  moved {b(p.bytes_moved):>9}  "
-                             f"memory {b(p.memory.total):>9}")
+                mfu = f"  MFU {p.mfu:.1%}" if p.mfu is not None else ""
+                lines.append(f"    {p.name:<28} step {p.step_us / 1e3:8.2f} ms ({_split(p)})  moved "
+                             f"{b(p.bytes_moved):>9}  memory {b(p.memory.total):>9}{mfu}")
         if self.rejected:
             lines.append("  left out:")
             lines.extend(f"    {name:<28} {why}" for name, why in self.rejected)
         return "\n".join(lines)
+
+
+def _split(p: Plan) -> str:
+    """A plan's step in parts: compute (a pipeline's schedule within it), collectives by link level, the part
+    hidden behind compute."""
+    d = p.detail
+    parts = [f"compute {d.get('compute_us', 0) / 1e3:.2f} ms"]
+    if d.get("pipeline_us"):
+        parts.append(f"pipeline schedule {d['pipeline_us'] / 1e3:.2f} ms of it")
+    levels = [(level, d[f"{level}_us"]) for level in ("intra", "inter") if d.get(f"{level}_us")]
+    parts += [f"{level} {us / 1e3:.2f} ms" for level, us in levels] or \
+        [f"collectives {d.get('comm_us', 0) / 1e3:.2f} ms"]
+    if d.get("hidden_us"):
+        parts.append(f"{d['hidden_us'] / 1e3:.2f} ms hidden")
+    return ", ".join(parts)
 
 
 def role_names(roles: dict[str, str]) -> str:

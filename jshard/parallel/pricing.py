@@ -58,6 +58,7 @@ from .roles import (
     ROLES,
     TRACED_AS,
     batch_placements,
+    compute_dtype,
     cut_model,
     module_at,
     param_path,
@@ -114,12 +115,13 @@ def price(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, hardware: Hard
     micro = microbatches or (pipeline_microbatches(stages[0], min(b.shape[0] for b in batch if b.shape), data)
                              if stages else None)
     rates = Rates(hardware, canonical, canonical_roles)
-    plan, default = styles_of(canonical_roles, tensor, blocks, micro, pricing=True)
+    cast = compute_dtype(model)
+    plan, default = styles_of(canonical_roles, tensor, blocks, micro, pricing=True, param_dtype=cast)
     placements = batch_placements(canonical, canonical_roles, batch)
     shape = (tuple(sorted((a, TRACED_AS.get(r, r)) for a, r in canonical_roles.items())),
              tuple(canonical.shape[a] for a, r in canonical_roles.items() if r in ("cp", "pp")),  # traced by size
              canonical.axis_names if stages else None,  # a pipeline's equation holds the mesh's axes in order
-             remat)
+             remat, cast, micro)
     # a pipeline's step is one equation whatever its depth (its blocks stacked): it is priced whole
     scoped = None if stages else blocks
     cut = depth if stages else min(depth, 2)
@@ -134,14 +136,16 @@ def price(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, hardware: Hard
     compute_us = (total["flops"] / rates.flops_per_us + total["written"] / rates.bytes_per_us
                   + total["pipeline_us"])
     hidden = hardware.overlap * min(total["data_us"], compute_us)  # the data axes' collectives behind compute
-    plan, default = styles_of(roles, tensor, blocks, micro)
+    plan, default = styles_of(roles, tensor, blocks, micro, param_dtype=cast)
     return Plan(roles=dict(roles), styles=plan, default=default, batch=batch_placements(mesh, roles, batch),
                 step_us=compute_us + total["comm_us"] - hidden, bytes_moved=int(total["bytes"]),
                 memory=memory_of(total, total["temps"]),
                 detail={"compute_us": compute_us, "comm_us": total["comm_us"], "hidden_us": hidden,
                         "flops": total["flops"], "intra_us": total["intra_us"], "inter_us": total["inter_us"],
-                        "pipeline_us": total["pipeline_us"], "microbatches": micro,
-                        "cut": cut, "depth": depth, "cut_bytes": at_cut})
+                        "pipeline_us": total["pipeline_us"], "microbatches": micro, "remat": remat,
+                        "abstract": isinstance(mesh, AbstractMesh),
+                        "cut": cut, "depth": depth, "cut_bytes": at_cut},
+                mesh_shape=tuple(mesh.axis_sizes), axis_names=tuple(mesh.axis_names))
 
 
 def memory_of(total: dict[str, float], temps: float) -> Memory:

@@ -22,6 +22,7 @@ import math
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -41,8 +42,9 @@ from .styles import (
     expert_weights,
 )
 
-__all__ = ["BATCH_ROLES", "BLOCK_SCOPE", "ROLES", "TENSOR_ROLES", "TRACED_AS", "batch_placements", "cut_model",
-           "mixtures", "module_at", "param_path", "pipeline_microbatches", "repeated", "styles_of", "tensor_sides"]
+__all__ = ["BATCH_ROLES", "BLOCK_SCOPE", "ROLES", "TENSOR_ROLES", "TRACED_AS", "batch_placements", "compute_dtype",
+           "cut_model", "mixtures", "module_at", "param_path", "pipeline_microbatches", "repeated", "styles_of",
+           "tensor_sides"]
 
 ROLES = ("dp", "fsdp", "ep", "tp", "sp", "cp", "pp")
 BATCH_ROLES = ("dp", "fsdp", "ep")  # roles that split the batch
@@ -57,11 +59,11 @@ def pipeline_microbatches(stages: int, rows: int, data: int) -> int | None:
 
 
 def styles_of(roles: dict[str, str], tensor: dict, blocks: tuple | None = None,
-              microbatches: int | None = None, pricing: bool = False) -> tuple[dict, tuple]:
+              microbatches: int | None = None, pricing: bool = False, param_dtype=None) -> tuple[dict, tuple]:
     """``(plan, default)`` for ``parallelize`` from a role assignment (a pipeline runs the blocks at ``blocks`` as
-    ``microbatches`` microbatches); to price it (``pricing``), a data-parallel axis gathers its parameters, whole
-    already, as an FSDP one does (``_Whole``)."""
-    default = tuple(FullyShard(a) if r == "fsdp" else _Whole(a) for a, r in roles.items()
+    ``microbatches`` microbatches; FSDP gathers parameters in ``param_dtype``, the model's compute dtype); to price
+    it (``pricing``), a data-parallel axis gathers its parameters, whole already, as an FSDP one does (``_Whole``)."""
+    default = tuple((FullyShard if r == "fsdp" else _Whole)(a, param_dtype=param_dtype) for a, r in roles.items()
                     if r == "fsdp" or (pricing and r == "dp"))
     plan: dict[str, tuple[ParallelStyle, ...]] = {}
     for axis, role in roles.items():
@@ -108,6 +110,21 @@ def batch_placements(mesh: Mesh, roles: dict[str, str], batch: tuple) -> tuple[t
         return Replicate()
 
     return tuple(tuple(placement(a, b) for a in mesh.axis_names) for b in batch)
+
+
+def compute_dtype(model: nnx.Module):
+    """The dtype the model's layers compute in where it is narrower than their parameters' (Flax layers built with
+    ``dtype=jnp.bfloat16``, float32 parameters: mixed precision), else None: FSDP then gathers parameters in it."""
+    found = set()
+    for _, node in nnx.iter_graph(model):
+        dtype, param_dtype = getattr(node, "dtype", None), getattr(node, "param_dtype", None)
+        if isinstance(node, nnx.Module) and dtype is not None and param_dtype is not None:
+            found.add((np.dtype(dtype), np.dtype(param_dtype)))
+    if len(found) == 1:
+        (dtype, param_dtype), = found
+        if dtype.itemsize < param_dtype.itemsize and jnp.issubdtype(dtype, jnp.floating):
+            return dtype
+    return None
 
 
 def mixtures(model: nnx.Module) -> tuple[str, ...]:

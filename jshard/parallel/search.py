@@ -29,7 +29,7 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import AbstractMesh, Mesh
 
 from ..darray import DArray
 from ..engine import paused_collector
@@ -37,6 +37,7 @@ from .hardware import Hardware
 from .initialise import building
 from .parallelize import blocks_differ, kind_of
 from .plan import Plan, role_names
+from .predict import model_flops
 from .pricing import price, step_inputs
 from .roles import (
     BATCH_ROLES,
@@ -54,16 +55,21 @@ from .training import check_tx, step_function
 __all__ = ["ROLES", "autoplan"]
 
 
-def autoplan(make: Callable[[], nnx.Module], mesh: Mesh, loss_fn: Callable, *batch: Any,
+def autoplan(make: Callable[[], nnx.Module], mesh: Mesh | AbstractMesh | int, loss_fn: Callable, *batch: Any,
              tx: optax.GradientTransformation | None = None, memory_budget: int | None = None,
-             styles: Sequence[str] | None = None, runners_up: int = 3) -> Plan:
-    """The fastest plan for training ``make()`` on ``mesh`` with ``loss_fn(model, *batch)`` whose predicted
-    memory per device fits ``memory_budget`` bytes (None: any).
+             styles: Sequence[str] | None = None, runners_up: int = 3, hardware: Hardware | None = None) -> Plan:
+    """The fastest plan for training ``make()`` with ``loss_fn(model, *batch)`` whose predicted memory per device
+    fits ``memory_budget`` bytes.
 
+    ``mesh``: a ``jax.sharding.Mesh`` (its devices measured: ``Hardware.measure``, unless ``hardware`` is given;
+    memory_budget None: any), an ``AbstractMesh`` of axes to give roles, or a chip count: the search then also
+    chooses how the chips factor into roles (``Plan.mesh_shape`` / ``Plan.axis_names`` say the mesh to build),
+    which sit inside a node, a pipeline's microbatches and whether blocks recompute their activations, on
+    ``hardware`` (default ``Hardware.h100()``) under its HBM (memory_budget None: the chip's HBM).
     ``make``: the model's constructor, as ``parallelize`` takes it (it is only traced: nothing is built);
-    ``batch``: arrays or ``jax.ShapeDtypeStruct``s at global shape; ``tx``: the optimizer (its state counts in
-    memory; default ``optax.adamw(1e-3)``); ``styles``: the roles an axis may take (default all of ``ROLES``).
-    Raises ``ValueError`` naming the budget and the smallest memory a plan reaches when none fits.
+    ``batch``: arrays or ``jax.ShapeDtypeStruct``\\ s at global shape (token ids first); ``tx``: the optimizer (its
+    state counts in memory; default ``optax.adamw(1e-3)``); ``styles``: the roles an axis may take (default all of
+    ``ROLES``). Raises ``ValueError`` naming the budget and the smallest memory a plan reaches when none fits.
 
     >>> import jax, jax.numpy as jnp, jshard
     >>> from flax import nnx
@@ -79,49 +85,33 @@ def autoplan(make: Callable[[], nnx.Module], mesh: Mesh, loss_fn: Callable, *bat
     ({'x': 'fsdp'}, ((S(0),),), True)
     """
     with paused_collector():  # the search makes millions of short-lived objects over a large live heap
-        return _autoplan(make, mesh, loss_fn, batch, tx, memory_budget, styles, runners_up)
+        if isinstance(mesh, (int, np.integer)) and not isinstance(mesh, bool):
+            return _autoplan_chips(make, int(mesh), loss_fn, batch, tx, memory_budget, styles, runners_up,
+                                   hardware or Hardware.h100())
+        return _autoplan(make, mesh, loss_fn, batch, tx, memory_budget, styles, runners_up, hardware)
 
 
-def _autoplan(make, mesh, loss_fn, batch, tx, memory_budget, styles, runners_up) -> Plan:
+def _autoplan(make, mesh, loss_fn, batch, tx, memory_budget, styles, runners_up, hardware) -> Plan:
     start = time.perf_counter()
-    _check_args(make, mesh, loss_fn, batch, tx, memory_budget, styles)
-    if isinstance(runners_up, bool) or not isinstance(runners_up, int) or runners_up < 0:
-        raise ValueError(f"autoplan: runners_up is how many next-best plans to keep, an int >= 0, got {runners_up!r}")
-    tx = optax.adamw(1e-3) if tx is None else tx
-    styles = tuple(styles or ROLES)
-    batch = tuple(jax.ShapeDtypeStruct(np.shape(b), b.dtype) for b in batch)
-    with building():
-        model = nnx.eval_shape(make)
-    if not isinstance(model, nnx.Module):
-        raise TypeError(f"autoplan: make() must build an nnx.Module, it built {kind_of(model)}; pass the model's "
-                        "constructor, lambda: GPT(cfg, rngs=nnx.Rngs(0))")
+    _check_args(make, mesh, loss_fn, batch, tx, memory_budget, styles, runners_up, hardware)
+    if isinstance(mesh, AbstractMesh) and hardware is None:
+        raise TypeError(f"autoplan: an abstract mesh {dict(mesh.shape)} has no devices to measure; give hardware= "
+                        "(Hardware.h100(), ...)")
+    model, batch, tx, styles = _model(make, batch, tx, styles)
     blocks = repeated(model)
     tensor = tensor_sides(model, loss_fn, batch) if set(styles) & set(TENSOR_ROLES) else {}
     experts = mixtures(model) if "ep" in styles else ()
     tensor.update((pattern, "experts") for pattern in experts)
-    hardware = Hardware.measure(mesh)
-    priced, rejected, traces = [], [], {}
-    # a pipeline takes blocks whose state is their parameters, as parallelize does: no plan it would refuse
-    members = list(module_at(model, blocks)) if blocks is not None else []
-    depth = len(members) if members and blocks_differ(members) is None else 0
-    for roles in _candidates(mesh, tuple(s for s in styles if s != "ep" or experts), batch, depth):
-        name = role_names(roles)
-        try:
-            priced.append(price(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, hardware, traces))
-        except Exception as e:  # a role the model cannot take on this mesh (a dim the axis does not divide, ...)
-            rejected.append((name, f"cannot run: {type(e).__name__}: {str(e).splitlines()[0][:160]}"))
+    hardware = hardware or Hardware.measure(mesh)
+    depth = _depth(model, blocks)
+    candidates = [(mesh, roles, {}) for roles in
+                  _candidates(mesh, tuple(s for s in styles if s != "ep" or experts), batch, depth)]
+    priced, rejected = _priced(model, blocks, tensor, loss_fn, batch, tx, hardware, candidates)
     if not priced:
         raise ValueError(f"autoplan: no plan of {styles} runs {type(model).__name__} on mesh "
                          f"{dict(mesh.shape)}: " + "; ".join(f"{n}: {w}" for n, w in rejected))
-    fits = [p for p in priced if memory_budget is None or p.memory.total <= memory_budget]
-    if not fits:
-        least = min(priced, key=lambda p: p.memory.total)
-        raise ValueError(f"autoplan: no plan fits memory_budget={memory_budget:,} bytes per device on mesh "
-                         f"{dict(mesh.shape)}; the smallest is {least.name} at {least.memory.total:,} bytes "
-                         f"predicted; raise the budget, add devices, or shrink the batch")
-    rejected += [(p.name, f"over the budget: {p.memory.total:,} bytes predicted") for p in priced if p not in fits]
-    fits.sort(key=lambda p: p.step_us)
-    if memory_budget is not None:
+    fits, rejected = _fitting(priced, rejected, memory_budget, f"on mesh {dict(mesh.shape)}")
+    if memory_budget is not None and isinstance(mesh, Mesh):
         fits, over = _checked(fits, memory_budget, model, blocks, mesh, loss_fn, batch, tx)
         rejected += over
         if not fits:
@@ -133,13 +123,19 @@ def _autoplan(make, mesh, loss_fn, batch, tx, memory_budget, styles, runners_up)
                                solve_s=time.perf_counter() - start)
 
 
-def _check_args(make, mesh, loss_fn, batch, tx, budget, styles) -> None:
+def _check_args(make, mesh, loss_fn, batch, tx, budget, styles, runners_up, hardware) -> None:
     if isinstance(make, nnx.Module) or not callable(make):
         raise TypeError(f"autoplan: make must be the model's constructor, a function of no arguments (lambda: "
                         f"GPT(cfg, rngs=nnx.Rngs(0))), got {kind_of(make)}; it is only traced, never built")
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"autoplan: mesh must be a jax.sharding.Mesh (say jax.make_mesh((2, 4), ('dp', 'tp'))), "
-                        f"got {kind_of(mesh)}")
+    if not isinstance(mesh, (Mesh, AbstractMesh, int)) or isinstance(mesh, bool) or (isinstance(mesh, int)
+                                                                                      and mesh < 1):
+        raise TypeError(f"autoplan: mesh must be a jax.sharding.Mesh (say jax.make_mesh((2, 4), ('dp', 'tp'))), an "
+                        f"AbstractMesh or a chip count (say 1024), got {kind_of(mesh)}")
+    if hardware is not None and not isinstance(hardware, Hardware):
+        raise TypeError(f"autoplan: hardware must be a jshard.parallel.Hardware (Hardware.h100(), "
+                        f"Hardware.measure(mesh)), got {kind_of(hardware)}")
+    if isinstance(runners_up, bool) or not isinstance(runners_up, int) or runners_up < 0:
+        raise ValueError(f"autoplan: runners_up is how many next-best plans to keep, an int >= 0, got {runners_up!r}")
     if not callable(loss_fn):
         raise TypeError(f"autoplan: loss_fn must be a function loss_fn(model, *batch) -> scalar loss, got "
                         f"{kind_of(loss_fn)}")
@@ -161,6 +157,149 @@ def _check_args(make, mesh, loss_fn, batch, tx, budget, styles) -> None:
         if bad or not styles:
             raise ValueError(f"autoplan: styles are the roles a mesh axis may take, some of {ROLES}; got "
                              f"{tuple(styles)!r}")
+
+
+def _model(make, batch, tx, styles):
+    """The abstract model, the batch as shapes, the optimizer and the roles to try."""
+    with building():
+        model = nnx.eval_shape(make)
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"autoplan: make() must build an nnx.Module, it built {kind_of(model)}; pass the model's "
+                        "constructor, lambda: GPT(cfg, rngs=nnx.Rngs(0))")
+    batch = tuple(jax.ShapeDtypeStruct(np.shape(b), b.dtype) for b in batch)
+    return model, batch, optax.adamw(1e-3) if tx is None else tx, tuple(styles or ROLES)
+
+
+def _depth(model, blocks) -> int:
+    """How many blocks a pipeline may split (0: none): blocks whose state is their parameters, as ``parallelize``
+    takes them, so that no plan is one it would refuse."""
+    members = list(module_at(model, blocks)) if blocks is not None else []
+    return len(members) if members and blocks_differ(members) is None else 0
+
+
+def _priced(model, blocks, tensor, loss_fn, batch, tx, hardware, candidates) -> tuple[list[Plan], list]:
+    """Each candidate ``(mesh, roles, options)`` priced (``options``: a pipeline's microbatches, remat), or rejected
+    with the refusal of the style or rule that cannot take it (a dim its axis does not divide, ...): only a
+    ``ValueError`` is a refusal, any other error jshard's own and raised."""
+    priced, rejected, traces = [], [], {}
+    for mesh, roles, options in candidates:
+        try:
+            priced.append(price(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, hardware, traces, **options))
+        except ValueError as e:
+            rejected.append((_label(roles, mesh, options), f"cannot run: {type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:160]}"))
+    return priced, rejected
+
+
+def _label(roles: dict, mesh, options: dict) -> str:
+    sizes = dict(mesh.shape)
+    name = role_names(roles) if any(a != r for a, r in roles.items()) else \
+        "x".join(f"{r}{sizes[a]}" for a, r in roles.items())
+    extra = [f"m={options['microbatches']}"] if options.get("microbatches") else []
+    return " ".join([name, *extra, *(["remat"] if options.get("remat") else [])])
+
+
+def _fitting(priced: list[Plan], rejected: list, budget: int | None, where: str) -> tuple[list[Plan], list]:
+    """The priced plans within ``budget``, fastest first (a ValueError naming the smallest when none is), and the
+    rejected with those over it."""
+    fits = [p for p in priced if budget is None or p.memory.total <= budget]
+    if not fits:
+        least = min(priced, key=lambda p: p.memory.total)
+        raise ValueError(f"autoplan: no plan fits memory_budget={budget:,} bytes per device {where}; the smallest is "
+                         f"{least.name} at {least.memory.total:,} bytes predicted; raise the budget, add devices, "
+                         "or shrink the batch")
+    rejected = rejected + [(p.name, f"over the budget: {p.memory.total:,} bytes predicted")
+                           for p in priced if p not in fits]
+    return sorted(fits, key=lambda p: p.step_us), rejected
+
+
+def _autoplan_chips(make, chips, loss_fn, batch, tx, budget, styles, runners_up, hardware) -> Plan:
+    """``autoplan`` on ``chips`` chips of ``hardware``: every factoring of the chips into roles (``_factorings``)
+    priced on its abstract mesh, then, where none fits the budget, each again with its blocks recomputing their
+    activations; each plan carries its prediction's figures (MFU, tokens per second per chip)."""
+    start = time.perf_counter()
+    _check_args(make, chips, loss_fn, batch, tx, budget, styles, runners_up, hardware)
+    model, batch, tx, styles = _model(make, batch, tx, styles)
+    budget = hardware.hbm_bytes if budget is None else budget
+    blocks = repeated(model)
+    experts = mixtures(model) if "ep" in styles else ()
+    tensor = tensor_sides(model, loss_fn, batch) if set(styles) & set(TENSOR_ROLES) else {}
+    tensor.update((pattern, "experts") for pattern in experts)
+    candidates = _factorings(model, chips, styles, batch, _depth(model, blocks), hardware, bool(experts))
+    priced, rejected = _priced(model, blocks, tensor, loss_fn, batch, tx, hardware, candidates)
+    if blocks is not None:  # those over the budget again, their blocks recomputing (a pipeline's stages do already)
+        again = [(AbstractMesh(p.mesh_shape, p.axis_names), p.roles, {"remat": True}) for p in priced
+                 if "pp" not in p.roles.values() and p.memory.total > budget]
+        more, refused = _priced(model, blocks, tensor, loss_fn, batch, tx, hardware, again)
+        priced, rejected = priced + more, rejected + refused
+    if not priced:
+        raise ValueError(f"autoplan: no factoring of {chips} chips into {styles} runs {type(model).__name__}: "
+                         + "; ".join(f"{n}: {w}" for n, w in rejected))
+    flops, tokens = model_flops(model, blocks, loss_fn, batch), math.prod(batch[0].shape)
+    priced = [dataclasses.replace(p, mfu=flops / (p.step_us / 1e6 * chips * hardware.flops),
+                                  tokens_per_s_per_chip=tokens / (p.step_us / 1e6) / chips) for p in priced]
+    fits, rejected = _fitting(priced, rejected, budget, f"on {chips} x {hardware.name}")
+    best, rest = fits[0], tuple(fits[1:1 + runners_up])
+    return dataclasses.replace(best, runners_up=rest, rejected=tuple(rejected), budget=budget,
+                               solve_s=time.perf_counter() - start)
+
+
+def _factorings(model, chips: int, styles: tuple, batch: tuple, depth: int, hardware: Hardware,
+                experts: bool) -> list[tuple[AbstractMesh, dict, dict]]:
+    """The ways to lay ``chips`` out, outermost first: the data axis (``fsdp``; ``dp`` too where the model's
+    parameters, gradients and Adam's state fit a chip replicated over it), ``ep`` inside it for mixtures of experts,
+    a pipeline (``pp``, over a divisor of the blocks), context parallelism (``cp``, for sequences of 16K tokens and
+    more), and tensor parallelism innermost (``sp``, else ``tp``) over a divisor of a node's chips. A pipeline runs
+    one sequence per data-parallel replica a microbatch (Megatron's micro-batch of one), or twice its stages'
+    count of microbatches where that differs. Axes are named by their roles."""
+    rows = min((b.shape[0] for b in batch if b.shape), default=1)
+    seq = batch[0].shape[1] if len(batch[0].shape) > 1 else 1
+    tensor_role = "sp" if "sp" in styles else "tp" if "tp" in styles else None
+    node = hardware.chips_per_node
+    state = 16 * sum(math.prod(np.shape(v)) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    out = []
+    for t in [t for t in _divisors(math.gcd(node, chips)) if t == 1 or tensor_role]:
+        for p in [p for p in _divisors(chips // t) if p == 1 or ("pp" in styles and depth and depth % p == 0)]:
+            for c in [c for c in _divisors(chips // (t * p))
+                      if c == 1 or ("cp" in styles and seq >= 16384 and c <= 16 and seq % (2 * c) == 0)]:
+                data = chips // (t * p * c)
+                if rows % data:
+                    continue
+                for split in _data_splits(data, styles, state / (t * p), hardware.hbm_bytes):
+                    for e in ([1] + [e for e in _divisors(split[-1][1]) if e > 1] if experts and "ep" in styles
+                              else [1]):
+                        inner = (split[-1][0], split[-1][1] // e)
+                        sizes = [*split[:-1], inner, ("ep", e), ("pp", p), ("cp", c), (tensor_role, t)]
+                        sizes = [(r, n) for r, n in sizes if n > 1] or [("dp", 1)]
+                        mesh = AbstractMesh(tuple(n for _, n in sizes), tuple(r for r, _ in sizes))
+                        roles = {r: r for r, _ in sizes}
+                        if p == 1:
+                            out.append((mesh, roles, {}))
+                            continue
+                        for m in sorted({rows // data, 2 * p} & {m for m in range(p, rows // data + 1)
+                                                                   if rows % m == 0 and (rows // m) % data == 0}):
+                            out.append((mesh, roles, {"microbatches": m}))
+    return out
+
+
+def _data_splits(data: int, styles: tuple, state: float, hbm: int) -> list[list[tuple[str, int]]]:
+    """How the data axis's ``data`` chips split, outermost first: all ``fsdp``; all ``dp`` where the model's state
+    (``state`` bytes a chip before it) fits a chip replicated; and HSDP, ``dp`` across groups of ``fsdp`` (the
+    smallest group whose share of the state takes at most half a chip, and twice and four times it), which keeps
+    FSDP's gathers within a group on thousands of chips."""
+    if data == 1:
+        return [[("dp", 1)]]
+    out = [[("fsdp", data)]] if "fsdp" in styles else []
+    if "dp" in styles and state <= hbm:
+        out.append([("dp", data)])
+    if {"dp", "fsdp"} <= set(styles):
+        groups = [f for f in _divisors(data) if 1 < f < data and state / f <= hbm / 2]
+        out += [[("dp", data // f), ("fsdp", f)] for f in groups[:3]]
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _candidates(mesh: Mesh, styles: tuple[str, ...], batch: tuple, depth: int) -> list[dict[str, str]]:

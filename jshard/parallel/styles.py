@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -257,7 +258,11 @@ class FullyShard(ParallelStyle):
     """FSDP / ZeRO-3 on one axis (usually the data axis): every parameter of rank >= 1 sharded on its dim
     ``dim`` (default 0; negative counts from the last dim); the engine gathers it where a computation needs it
     whole and the gradient, a ``Partial(sum)`` over the data axis, is reduce-scattered back to the shard.
-    Parameters without that dim (scalars) stay replicated.
+    Parameters without that dim (scalars) stay replicated. ``param_dtype`` (say ``jnp.bfloat16``): each parameter
+    cast to it on its shard before it is gathered, so the gather moves half the bytes and the gradient comes back in
+    it (torch FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``); the parameter and its optimizer state stay in their
+    own dtype. It gives the same values as the model's own cast after a gather where the model computes in that
+    dtype (a ``dtype=jnp.bfloat16`` Flax layer casts its float32 kernel before using it).
 
     The module it is matched on is the unit gathered together while it runs: as a ``default=`` style, each
     module holding parameters; matched on a module above them (a transformer block, as torch's
@@ -272,11 +277,21 @@ class FullyShard(ParallelStyle):
 
     axis: str = "dp"
     dim: int = 0
+    param_dtype: Any = None
     compute: ClassVar[Placement | None] = R  # gathered while the module runs, one module at a time
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_dim(self)
+        if self.param_dtype is not None:
+            try:
+                dtype = jnp.dtype(self.param_dtype)
+            except TypeError:
+                dtype = None
+            if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+                raise ValueError(f"{type(self).__name__}: param_dtype is the floating dtype parameters are gathered "
+                                 f"in (say jnp.bfloat16), or None; got {self.param_dtype!r}")
+            object.__setattr__(self, "param_dtype", dtype)
 
     def param(self, module, name, shape):
         stack = stack_depth(module, name, shape)  # a stack of layers is cut inside each layer: one gather a layer

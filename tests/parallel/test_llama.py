@@ -201,6 +201,7 @@ def test_fsdp_tp_trains_like_one_device():
     assert blk.ln1.scale.get_value().placements == (Shard(0), R)
 
 
+@pytest.mark.slow
 def test_scanned_tp_trains_like_one_device():
     model = _trains_like_one_device((1, 8), "tp", scan=True)
     assert model.blocks.gate.kernel.get_value().placements == (R, Shard(2))  # the layer dim (0) whole
@@ -233,3 +234,26 @@ def test_mixed_precision_computes_in_bf16_and_trains_like_one_device():
         theirs.append(ref(ids, labels))
     assert np.allclose(ours, theirs, rtol=2e-2), (ours, theirs)
     assert theirs[-1] < theirs[0]
+
+
+def test_fsdp_gathers_in_the_param_dtype():
+    """``FullyShard(axis, param_dtype=jnp.bfloat16)``: each parameter cast on its shard, then gathered: the same
+    training as gathering float32 and casting in the layer (the model computes in bf16 either way), with the
+    parameters' gathers moving half the bytes; the parameters stay float32."""
+    from jshard.parallel import FullyShard
+
+    make = lambda: llama3("8b", seq=T, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, **TOY)  # noqa: E731
+    mesh = make_mesh((8,))
+    tx = optax.adamw(1e-3, eps=1e-4)
+    steps, moved = [], []
+    for style in (FullyShard("x"), FullyShard("x", param_dtype=jnp.bfloat16)):
+        model = parallelize(make, mesh, {}, default=(style,))
+        steps.append(TrainStep(model, tx, loss_fn))
+        ids, labels = batches(1)[0]
+        moved.append(sum(n for _, n in steps[-1].explain(ids, labels).per_call.values()))
+    assert moved[1] < 0.75 * moved[0], moved
+    losses = [[float(s(ids, labels)) for ids, labels in batches(3)] for s in steps]
+    assert np.allclose(losses[0], losses[1], rtol=1e-2), losses
+    assert {a.dtype for a in jax.tree.leaves(nnx.state(steps[1].model, nnx.Param))} == {jnp.dtype(jnp.float32)}
+    with pytest.raises(ValueError, match="param_dtype is the floating dtype"):
+        FullyShard("x", param_dtype=jnp.int8)

@@ -4,10 +4,12 @@ measured CPU devices against its measured step."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -148,3 +150,30 @@ def test_a_toy_prediction_on_the_measured_devices_is_near_its_measured_step():
         times.append(time.perf_counter() - start)
     measured = sorted(times)[len(times) // 2]
     assert p.step_s == pytest.approx(measured, rel=0.25), (p.step_s, measured)
+
+
+def test_autoplan_lays_out_a_chip_count():
+    """Given a chip count, autoplan chooses the factoring itself: the plan says the mesh to build (the tensor axis
+    innermost, inside a node), carries its prediction's figures, fits the chip's HBM, and explains the runners-up;
+    on 16,384 abstract chips as on the 8 devices here, where the mesh it names is built and trained on."""
+    ids = jax.ShapeDtypeStruct((4096, SEQ), jnp.int32)
+    big = autoplan(_make(), 16384, _loss, ids, ids, hardware=Hardware.h100())
+    assert math.prod(big.mesh_shape) == 16384 and big.memory.total <= Hardware.h100().hbm_bytes
+    assert set(big.axis_names) == set(big.roles) and set(big.roles.values()) <= {"dp", "fsdp", "pp", "sp", "tp"}
+    sizes = dict(zip(big.axis_names, big.mesh_shape, strict=True))
+    tensor = [a for a in big.axis_names if a in ("tp", "sp")]
+    assert not tensor or (big.axis_names[-1] == tensor[0] and sizes[tensor[0]] <= 8)
+    assert 0 < big.mfu < 1 and big.tokens_per_s_per_chip > 0 and big.runners_up
+    assert all(p.step_us >= big.step_us for p in big.runners_up)
+    assert "runners-up" in big.explain() and "predicted MFU" in big.explain()
+
+    mesh8 = make_mesh((8,))
+    plan = autoplan(_make(), 8, _loss, IDS, IDS, hardware=Hardware.measure(mesh8), styles=("dp", "fsdp", "tp"))
+    assert math.prod(plan.mesh_shape) == 8
+    mesh = jax.make_mesh(plan.mesh_shape, plan.axis_names, devices=jax.devices()[:8])
+    step = TrainStep(parallelize(_make(), mesh, plan), optax.sgd(0.1), _loss)
+    ids_ = np.random.default_rng(0).integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32)
+    batch = [jshard.distribute(ids_, mesh, list(p)) for p in plan.batch]
+    first = float(step(*batch))
+    assert first == pytest.approx(float(_loss(_make()(), ids_, ids_)), rel=1e-5)
+    assert float(step(*batch)) < first

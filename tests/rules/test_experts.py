@@ -298,6 +298,7 @@ def _local_unit(mesh, placements, x, logits, up, down, gate):
     return forward, backward, (placed[:-1], placed), (y, pull(dy))
 
 
+@pytest.mark.slow
 def test_the_ragged_dispatch_over_both_axes_of_a_2d_mesh(ragged):
     """Tokens and experts sharded over both axes of 2x4: one ragged exchange over their tuple (the engine prefers
     another way at a test's size, so the unit's local forms run by hand), two experts a device (slots worked out
