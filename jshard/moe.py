@@ -641,7 +641,20 @@ def _vjp_bwd(residuals, dy, *, activation, gated):
     return (grads[0], None, *grads[1:])
 
 
-@function(_backward_strategies, local=_backward_local, communicates=_backward_traffic, name="experts_bwd")
+def _flops(factor: float) -> Callable:
+    """A unit's FLOPs on one device, in units of its forward's: each of its ``T`` local tokens' ``k`` copies through
+    an expert's two or three ``D x H`` matmuls (``H`` as the tensor axes leave it; the copies a device runs balance
+    to its own tokens' under every strategy); the backward recomputes the forward and runs two more (3)."""
+    def flops(params, ins, outs):
+        x, idx, w_up = ins[0], ins[1], ins[3]
+        return factor * 2.0 * x.local_block_shape[0] * idx.shape[-1] * x.shape[1] * w_up.local_block_shape[2] * (
+            3 if params["gated"] else 2)
+
+    return flops
+
+
+@function(_backward_strategies, local=_backward_local, communicates=_backward_traffic, name="experts_bwd",
+          flops=_flops(3.0))
 def _experts_bwd(x, idx, weights, w_up, *rest, activation, gated):
     *mats, dy = rest
     w_gate, w_down = (mats[0], mats[1]) if gated else (None, mats[0])
@@ -654,6 +667,6 @@ def _whole(x, idx, weights, w_up, *rest, activation, gated):
 
 
 _experts_fwd = function(_forward_strategies, local=_forward_local, communicates=_forward_traffic,
-                        name="experts_fwd")(_whole)
+                        name="experts_fwd", flops=_flops(1.0))(_whole)
 _experts = function(_forward_strategies, local=_forward_local, communicates=_forward_traffic, name="experts",
-                    vjp=(_vjp_fwd, _vjp_bwd))(_whole)
+                    vjp=(_vjp_fwd, _vjp_bwd), flops=_flops(1.0))(_whole)

@@ -61,7 +61,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import jax
@@ -389,39 +389,46 @@ def _backward_local(params, ins, outs):
     return run
 
 
+def _flops(factor: float) -> Callable:
+    """A unit's FLOPs on one device, in units of the forward's two matmuls (scores and values) of its local queries
+    against every key (a ring or a gather brings the keys it does not hold), the causal half included: the
+    backward recomputes the scores and runs four (2.5)."""
+    return lambda params, ins, outs: factor * 4.0 * math.prod(ins[0].local_block_shape) * ins[1].shape[1]
+
+
 @function(_forward_strategies, local=_forward_local, communicates=_forward_traffic, check=_pinned,
-          name="attention_fwd")
+          flops=_flops(1.0), name="attention_fwd")
 def _attention_fwd(q, k, v, *, scale, is_causal, method):
     return _forward_kernel(q, k, v, None, None, *_whole(q, k), scale, is_causal)
 
 
 @function(_backward_strategies, local=_backward_local, communicates=_backward_traffic, check=_pinned,
-          name="attention_bwd")
+          flops=_flops(2.5), name="attention_bwd")
 def _attention_bwd(q, k, v, out, lse, ct, *, scale, is_causal, method):
     return _backward_kernel(q, k, v, out, lse, ct, *_whole(q, k), scale, is_causal)
 
 
 @function(_forward_strategies, local=_forward_local, communicates=_forward_traffic, check=_pinned, name="attention",
-          vjp=(_attention_vjp_fwd, _attention_vjp_bwd))
+          flops=_flops(1.0), vjp=(_attention_vjp_fwd, _attention_vjp_bwd))
 def _attention(q, k, v, *, scale, is_causal, method):
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=is_causal)
 
 
 @function(_forward_strategies, local=_forward_local, communicates=_forward_traffic, check=_pinned,
-          name="attention_masked", vjp=(_masked_vjp_fwd, _masked_vjp_bwd))
+          flops=_flops(1.0), name="attention_masked", vjp=(_masked_vjp_fwd, _masked_vjp_bwd))
 def _attention_masked(q, k, v, bias, mask, *, scale, is_causal, method, with_bias, with_mask):
     # with_bias / with_mask tell the local form which of bias and mask its extra blocks are (a None has no leaf)
     return jax.nn.dot_product_attention(q, k, v, bias, mask, scale=scale, is_causal=is_causal)
 
 
 @function(_forward_strategies, local=_forward_local, communicates=_forward_traffic, check=_pinned,
-          name="attention_masked_fwd")
+          flops=_flops(1.0), name="attention_masked_fwd")
 def _attention_masked_fwd(q, k, v, bias, mask, *, scale, is_causal, method, with_bias, with_mask):
     return _forward_kernel(q, k, v, bias, mask, *_whole(q, k), scale, is_causal)
 
 
 @function(_backward_strategies, local=_backward_local, communicates=_backward_traffic, check=_pinned,
-          name="attention_masked_bwd")
+          flops=_flops(2.5), name="attention_masked_bwd")
 def _attention_masked_bwd(q, k, v, bias, mask, out, lse, ct, *, scale, is_causal, method, with_bias, with_mask):
     grads = _backward_kernel(q, k, v, out, lse, ct, *_whole(q, k), scale, is_causal, bias, mask)
     return grads if with_bias else grads[:3]

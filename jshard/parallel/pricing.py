@@ -353,21 +353,26 @@ def _move_figures(move: MovePlan, rates: Rates, sizes: dict) -> dict[str, float]
 
 
 def _flops(eq) -> float:
-    """FLOPs one device runs in an equation's matmuls (attention's included), at their local shapes."""
-    name = eq.eqn.primitive.name
+    """FLOPs one device runs in an equation at its local shapes: a matmul's, a convolution's, a grouped matmul's
+    (``ragged_dot``: every row by its group's matrix), or what its rule declares (``Rule.flops``: attention, a
+    mixture of experts, a user's ``rules.function``)."""
+    name, ins, outs = eq.eqn.primitive.name, eq.choice.ins, eq.choice.outs
     if name == "dot_general":
         (lc, _), _ = eq.eqn.params["dimension_numbers"]
-        lhs = eq.choice.ins[0].local_block_shape
-        return 2.0 * math.prod(eq.choice.outs[0].local_block_shape) * math.prod(lhs[d] for d in lc)
-    if name in _ATTENTION:  # q [b, t, h, d] against k [b, s, h, d]: two matmuls
-        b, t, h, d = eq.choice.ins[0].local_block_shape
-        # against every key: a ring or a gather brings the keys a device does not hold
-        return _ATTENTION[name] * 4.0 * b * t * h * d * eq.choice.ins[1].shape[1]
+        lhs = ins[0].local_block_shape
+        return 2.0 * math.prod(outs[0].local_block_shape) * math.prod(lhs[d] for d in lc)
+    if name == "conv_general_dilated":  # each output element: a window of the kernel's spatial dims and inputs
+        kernel = ins[1].local_block_shape
+        spec = eq.eqn.params["dimension_numbers"].rhs_spec  # (out features, in features, *spatial)
+        window = math.prod(kernel[d] for d in spec[1:])
+        return 2.0 * math.prod(outs[0].local_block_shape) * window
+    if name in ("ragged_dot", "ragged_dot_general"):
+        m, k = ins[0].local_block_shape[-2:]
+        return 2.0 * m * k * outs[0].local_block_shape[-1]
+    rule = eq.choice.rule
+    if rule is not None and rule.flops is not None:
+        return float(rule.flops(eq.eqn.params, ins, outs))
     return 0.0
-
-
-# attention's FLOPs in units of its forward's two matmuls: the backward recomputes the scores and runs four
-_ATTENTION = {"jshard.attention_fwd": 1.0, "jshard.attention_bwd": 2.5}
 
 
 def _backward(eq) -> bool:

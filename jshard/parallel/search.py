@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -43,6 +44,7 @@ from .roles import (
     BATCH_ROLES,
     ROLES,
     TENSOR_ROLES,
+    compute_dtype,
     cut_model,
     mixtures,
     module_at,
@@ -102,7 +104,7 @@ def _autoplan(make, mesh, loss_fn, batch, tx, memory_budget, styles, runners_up,
     tensor = tensor_sides(model, loss_fn, batch) if set(styles) & set(TENSOR_ROLES) else {}
     experts = mixtures(model) if "ep" in styles else ()
     tensor.update((pattern, "experts") for pattern in experts)
-    hardware = hardware or Hardware.measure(mesh)
+    hardware = hardware or Hardware.measure(mesh, compute_dtype(model) or jnp.float32)  # in the model's dtype
     depth = _depth(model, blocks)
     candidates = [(mesh, roles, {}) for roles in
                   _candidates(mesh, tuple(s for s in styles if s != "ep" or experts), batch, depth)]

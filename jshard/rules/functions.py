@@ -77,12 +77,14 @@ _FUNCTIONS: dict[str, None] = {}  # primitive names of the functions made so far
 def function(strategies: Callable[[tuple, tuple, dict], Sequence[tuple]], *,
              local: Callable[[dict, tuple, tuple], Callable], communicates: Callable | None = None,
              check: Callable | None = None, vjp: tuple[Callable, Callable] | None = None,
-             name: str | None = None) -> Callable[[Callable], Callable]:
+             name: str | None = None, flops: Callable | None = None) -> Callable[[Callable], Callable]:
     """Decorator: ``fn`` becomes one equation with its own rule wherever ``jshard.jit`` traces it (see the module
     docstring). Arrays are passed positionally (pytrees allowed); keyword arguments are static, reach
     ``strategies`` / ``local`` / ``communicates`` in ``params`` and must be hashable. As with ``jax.jit``, the body
     is traced once per argument types and keyword values, so it should depend on nothing else. ``name`` (default:
-    the function's qualified name) names its primitive, ``jshard.<name>``, in jaxprs and in ``explain``."""
+    the function's qualified name) names its primitive, ``jshard.<name>``, in jaxprs and in ``explain``; ``flops``
+    (``(params, in_specs, out_specs) -> float``, optional) the FLOPs one device's local form runs, which a step's
+    pricing (``autoplan``, ``predict``) counts as compute (without it the unit computes nothing there)."""
     if not callable(strategies):
         raise TypeError(f"jshard.rules.function: strategies must be a function (ins, outs, params) -> [placement "
                         f"tuples], got {type(strategies).__name__}")
@@ -95,7 +97,7 @@ def function(strategies: Callable[[tuple, tuple, dict], Sequence[tuple]], *,
     def decorate(fn: Callable) -> Callable:
         prim = _primitive(f"jshard.{name or getattr(fn, '__qualname__', 'function')}")
         register(prim, local=lambda _, params, ins, outs: local(params, ins, outs), check=check,
-                 communicates=communicates, replace=prim.name in _FUNCTIONS)(strategies)  # defined again
+                 communicates=communicates, replace=prim.name in _FUNCTIONS, flops=flops)(strategies)  # again
         _FUNCTIONS[prim.name] = None
 
         def bound(args: tuple, static: dict) -> Any:

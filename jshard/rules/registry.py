@@ -145,7 +145,10 @@ class Rule:
     offsets, masks); ``check`` (optional) rejects N-D combinations that single-axis tuples cannot rule out;
     ``communicates`` (optional) lists the collectives the local form itself runs (a ring of ``ppermute`` steps):
     the selection adds their cost to the moves it prices, ``explain`` and XLA:CPU's in-flight limit see them;
-    ``describe`` (optional) is a text ``explain`` prints under the equation (a pipeline's schedule)."""
+    ``describe`` (optional) is a text ``explain`` prints under the equation (a pipeline's schedule); ``flops``
+    (optional) the FLOPs one device's local form runs, given the params and the strategy's specs (its matmuls at
+    their local shapes), which pricing adds to the step's compute: a unit whose matmuls are inside it (attention,
+    a mixture of experts) declares them, as it declares its collectives."""
 
     name: str
     strategies: Strategies
@@ -153,6 +156,7 @@ class Rule:
     check: CheckHook | None = None
     communicates: CommunicatesHook | None = None
     describe: Callable[[dict, tuple, tuple], str] | None = None  # text explain prints under the equation
+    flops: Callable[[dict, tuple, tuple], float] | None = None
 
 
 _RULES: dict[str, Rule] = {}
@@ -160,7 +164,8 @@ _WARNED: set[str] = set()
 
 
 def register(*prims: jc.Primitive | str, local: LocalHook | None = None, check: CheckHook | None = None,
-             communicates: CommunicatesHook | None = None, replace: bool = False) -> Callable[[Strategies], Strategies]:
+             communicates: CommunicatesHook | None = None, replace: bool = False,
+             flops: Callable[[dict, tuple, tuple], float] | None = None) -> Callable[[Strategies], Strategies]:
     """Decorator registering a strategy function ``fn(ins, outs, params) -> [tuples]`` for primitives, each
     given as its object or by its name in a jaxpr.
 
@@ -186,7 +191,7 @@ def register(*prims: jc.Primitive | str, local: LocalHook | None = None, check: 
             if (n in _RULES and not replace) or n in names[:i]:
                 raise _duplicate_error(n, _RULES[n].strategies if n in _RULES else fn, fn)
         for n in names:
-            _RULES[n] = Rule(n, fn, local, check, communicates)
+            _RULES[n] = Rule(n, fn, local, check, communicates, flops=flops)
         clear_caches()
         return fn
 

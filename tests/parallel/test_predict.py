@@ -177,3 +177,13 @@ def test_autoplan_lays_out_a_chip_count():
     first = float(step(*batch))
     assert first == pytest.approx(float(_loss(_make()(), ids_, ids_)), rel=1e-5)
     assert float(step(*batch)) < first
+
+
+def test_units_declare_the_flops_pricing_counts():
+    """Attention's and a mixture's matmuls run inside their units: each rule declares its FLOPs
+    (``rules.function(..., flops=)``), so a step's priced compute covers the model's FLOPs (the recomputations
+    the units' backward passes run on top: scores again, an expert's forward again)."""
+    make = lambda: GPT(vocab=64, dim=64, heads=4, layers=2, seq=64, rngs=nnx.Rngs(0), experts=4, top_k=2)  # noqa: E731
+    ids = jax.ShapeDtypeStruct((8, 64), jnp.int32)
+    p = predict(make, _loss, ids, ids, hardware=Hardware.h100(), roles={"dp": 1})
+    assert 1.0 <= p.plan.detail["flops"] / p.model_flops <= 1.5, (p.plan.detail["flops"], p.model_flops)
