@@ -59,8 +59,8 @@ from jax.interpreters import ad, batching, mlir
 from jax.interpreters import partial_eval as pe
 
 __all__ = ["Scan", "While", "ad", "batching", "cond_branches", "constructing", "inlined_call", "is_sharding_type_error",
-           "jc", "mlir", "open_jaxpr", "register_array_type", "run_equations", "scan_params", "source_info_util",
-           "while_params"]
+           "jc", "lowered", "mlir", "open_jaxpr", "register_array_type", "run_equations", "scan_params",
+           "source_info_util", "while_params"]
 
 # calls whose body runs as it is, by the param holding the body: the engine follows them inline (autodiff
 # already happened when the jaxpr was traced); ``remat2`` is ``jax.checkpoint``, named ``checkpoint`` in the
@@ -202,3 +202,15 @@ def while_params(eqn: jc.JaxprEqn) -> While:
 def cond_branches(eqn: jc.JaxprEqn) -> list:
     """The closed jaxprs of a ``cond`` equation's branches, in index order."""
     return list(eqn.params["branches"])
+
+
+def lowered(closed: jc.ClosedJaxpr) -> jc.ClosedJaxpr:
+    """``closed`` in JAX's low-level primitives only. JAX 0.12 traces some functions (``jnp.searchsorted``, ...) to
+    higher-level primitives that are lowered when bound under a trace that needs low ones; a primitive of ours
+    whose param is a body holding one would be such a primitive too, with no way down (JAX: "has is_high=True but
+    no to_lojax lowering rule"). On older JAX every jaxpr is low already."""
+    lower = getattr(pe, "lower_jaxpr2", None)
+    if lower is None or not getattr(closed.jaxpr, "is_high", False):
+        return closed
+    low = lower(pe.convert_constvars_jaxpr(closed.jaxpr))  # the constants first among the inputs
+    return jax.make_jaxpr(lambda *args: jc.jaxpr_as_fun(low)(*closed.consts, *args))(*closed.in_avals)

@@ -550,8 +550,7 @@ def _grouped_dot(rows, w, sizes, tiled: bool):
     per_group = (sizes + tile - 1) // tile
     ends = jnp.cumsum(per_group)
     i = jnp.arange(count, dtype=jnp.int32)
-    # the group of tile i: how many groups' tiles end at or before it (not jnp.searchsorted: on jax >= 0.12 a
-    # higher-order primitive, which a jshard.rules.function body may not hold)
+    # the group of tile i: how many groups' tiles end at or before it (one comparison of a few groups per tile)
     group = jnp.minimum(jnp.sum(ends[None, :] <= i[:, None], axis=1), g - 1).astype(jnp.int32)
     offset = starts[group] + (i - (ends - per_group)[group]) * tile
     live = i < ends[-1]

@@ -66,7 +66,7 @@ from typing import Any
 import jax
 
 from ..caches import memo
-from ..jaxcompat import ad, batching, jc, mlir
+from ..jaxcompat import ad, batching, jc, lowered, mlir
 from .registry import register
 
 __all__ = ["function", "function_names"]
@@ -104,7 +104,7 @@ def function(strategies: Callable[[tuple, tuple, dict], Sequence[tuple]], *,
             leaves, tree = jax.tree.flatten(args)
             body = _body_of(fn, tree, tuple(sorted(static.items(), key=lambda item: item[0])))  # in any order
             closed, shapes = jax.make_jaxpr(body, return_shape=True)(*leaves)
-            out = prim.bind(*leaves, jaxpr=closed, **static)
+            out = prim.bind(*leaves, jaxpr=lowered(closed), **static)
             return jax.tree.unflatten(jax.tree.structure(shapes), out)
 
         @functools.wraps(fn)

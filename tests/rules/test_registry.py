@@ -162,3 +162,21 @@ def test_primitive_of_a_newer_jax_is_skipped_on_an_older_one(monkeypatch):
                                          r"jax 0\.4\.0: JAX renamed or removed it"):
         register("jshard_test_future")(_windows_apart)
 
+
+
+def test_a_function_body_may_hold_higher_level_primitives():
+    """JAX 0.12 traces ``jnp.searchsorted`` to a higher-level primitive, lowered where it is bound; a
+    ``rules.function`` whose body holds one is bound with its body lowered (it was "is_high=True but no to_lojax"),
+    and runs as the same code does without jshard, under ``jshard.jit`` too."""
+    import jax.numpy as jnp
+
+    def rank(x):
+        return jnp.searchsorted(jnp.sort(x), x).astype(x.dtype)
+
+    unit = jshard.rules.function(lambda ins, outs, params: [], local=lambda params, ins, outs: lambda x: [rank(x)],
+                                 name="tests.rank")(rank)
+    x = np.array([3.0, 1.0, 2.0, 0.0, 7.0, 5.0, 6.0, 4.0], np.float32)
+    want = np.asarray(rank(x))
+    assert np.array_equal(np.asarray(unit(x)), want)
+    mesh = make_mesh((8,))
+    assert np.array_equal(jshard.jit(unit)(jshard.distribute(x, mesh, [Replicate()])).full(), want)
