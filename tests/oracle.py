@@ -218,3 +218,11 @@ def train_alongside(step, reference, mesh, layout, batches) -> tuple[list[float]
         ours.append(float(step(*(jshard.distribute(a, mesh, layout) for a in batch))))
         theirs.append(reference(*batch))
     return ours, theirs
+
+
+def token_batches(n: int, vocab: int, batch: int, seq: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``n`` language-model batches, the same in every test that asks: random ids ``[batch, seq]`` below
+    ``vocab`` and their labels, the ids shifted by one."""
+    rng = np.random.default_rng(0)
+    return [(ids, np.roll(ids, -1, 1)) for ids in (rng.integers(0, vocab, (batch, seq)).astype(np.int32)
+                                                   for _ in range(n))]

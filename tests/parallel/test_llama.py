@@ -15,7 +15,7 @@ from jshard import Replicate, Shard
 from jshard.gpt import GPT, Llama, cross_entropy, llama3, one_device_trainer, plan, summed_terms
 from jshard.parallel import ColwiseParallel, TrainStep, parallelize, placements_of
 from jshard.validate.tolerance import curve_ratio
-from oracle import assert_close, train_alongside, tree_scale
+from oracle import assert_close, token_batches, train_alongside, tree_scale
 
 R = Replicate()
 V, D, H, KV, F, L, T, B = 64, 64, 4, 2, 128, 2, 16, 8  # the toy: 4 query heads sharing 2 key/value heads
@@ -38,12 +38,7 @@ def loss_fn(model, ids, labels):
 
 
 def batches(n):
-    rng = np.random.default_rng(0)
-    out = []
-    for _ in range(n):
-        ids = rng.integers(0, V, (B, T)).astype(np.int32)
-        out.append((ids, np.roll(ids, -1, 1)))
-    return out
+    return token_batches(n, V, B, T)
 
 
 def parameter_count(make) -> int:

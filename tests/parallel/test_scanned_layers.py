@@ -26,7 +26,7 @@ from jshard.parallel import (
     placements_of,
 )
 from jshard.validate.tolerance import curve_ratio
-from oracle import assert_close, train_alongside, tree_scale
+from oracle import assert_close, token_batches, train_alongside, tree_scale
 
 R = Replicate()
 V, D, H, L, T, B = 64, 32, 4, 3, 16, 8
@@ -42,12 +42,7 @@ def loss_fn(model, ids, labels):
 
 
 def batches(n):
-    rng = np.random.default_rng(0)
-    out = []
-    for _ in range(n):
-        ids = rng.integers(0, V, (B, T)).astype(np.int32)
-        out.append((ids, np.roll(ids, -1, 1)))
-    return out
+    return token_batches(n, V, B, T)
 
 
 def test_flax_layers_read_past_their_stack():

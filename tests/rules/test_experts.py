@@ -117,12 +117,9 @@ WAYS = [pytest.param(shape, how, id=f"{'x'.join(map(str, shape))}-{how}",
         for shape in MESHES for how in ("dispatch", "gather", "tensor", "data")]
 
 
-@pytest.mark.parametrize("shape,how", WAYS)
-def test_every_way_gives_the_one_device_output_and_gradients(shape, how):
-    mesh = make_mesh(shape)
-    x, logits, up, down, gate = _inputs(seed=1, skew=how == "dispatch")
-    args = _placed(mesh, how, x, logits, up, down, gate)
-
+def _matches_dense(args, x, logits, up, down, gate):
+    """``jshard.experts`` on the placed ``args`` gives the dense mixture's output and gradients on one device;
+    returns the function it ran."""
     def moe(x, logits, up, down, gate):
         return jshard.experts(x, logits, up, down, top_k=K, w_gate=gate)
 
@@ -131,6 +128,16 @@ def test_every_way_gives_the_one_device_output_and_gradients(shape, how):
     want = jax.grad(_loss(lambda *a: _dense(*a)), argnums=(0, 1, 2, 3, 4))(x, logits, up, down, gate)
     for g, w in zip(got, want, strict=True):
         _close(g.full(), w, tol=5e-5)
+    return moe
+
+
+@pytest.mark.parametrize("shape,how", WAYS)
+def test_every_way_gives_the_one_device_output_and_gradients(shape, how):
+    mesh = make_mesh(shape)
+    x, logits, up, down, gate = _inputs(seed=1, skew=how == "dispatch")
+    args = _placed(mesh, how, x, logits, up, down, gate)
+
+    moe = _matches_dense(args, x, logits, up, down, gate)
     ex = jshard.explain(jax.grad(_loss(moe), argnums=(2, 3, 4)), *args)
     rows = [r for r in ex.rows if r["primitive"].startswith("jshard.experts")]
     assert {r["primitive"] for r in rows} == {"jshard.experts_fwd", "jshard.experts_bwd"}
@@ -256,14 +263,7 @@ def test_the_ragged_dispatch_gives_the_one_device_output_and_gradients(ragged, s
     if how == "both":
         args = [jshard.distribute(a, mesh, [Shard(0), Shard(0)]) for a in (x, logits, up, down, gate)]
 
-    def moe(x, logits, up, down, gate):
-        return jshard.experts(x, logits, up, down, top_k=K, w_gate=gate)
-
-    _close(jshard.jit(moe)(*args).full(), _dense(x, logits, up, down, gate))
-    got = jshard.jit(jax.grad(_loss(moe), argnums=(0, 1, 2, 3, 4)))(*args)
-    want = jax.grad(_loss(lambda *a: _dense(*a)), argnums=(0, 1, 2, 3, 4))(x, logits, up, down, gate)
-    for g, w in zip(got, want, strict=True):
-        _close(g.full(), w, tol=5e-5)
+    moe = _matches_dense(args, x, logits, up, down, gate)
     assert bool(ragged) == (mesh.size > 1)  # the copies went by the ragged path (none to send on one device)
     if shape == (8,):  # priced as sent: each device's T k copies once each way, and the counts met first
         copies = T // 8 * K
