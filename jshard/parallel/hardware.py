@@ -58,11 +58,12 @@ class Hardware:
     """A chip and its network.
 
     ``flops``: dense bf16 FLOP/s per chip (the peak MFU is quoted against); ``efficiency``: the share of it the
-    model's matmuls reach (a fitted constant, see ``docs/design.md``); ``hbm_bytes`` / ``hbm_bandwidth``: the
-    chip's memory and its bandwidth (bytes/s); ``chips_per_node``: chips joined by ``intra``; ``launch``: seconds a
-    kernel or a collective costs besides its work; ``overlap``: the share of the data axes' collectives (gradient
-    reduce-scatters, parameter gathers) that runs hidden behind compute, as Megatron's and FSDP's prefetching run
-    them (a fitted constant; 0 for a measured machine, whose programs XLA schedules as it schedules them).
+    model's matmuls reach (a constant to fit to published runs, see ``docs/design.md``); ``hbm_bytes`` /
+    ``hbm_bandwidth``: the chip's memory and its bandwidth (bytes/s); ``chips_per_node``: chips joined by
+    ``intra``; ``launch``: seconds a kernel or a collective costs besides its work; ``overlap``: the share of the
+    data axes' collectives (gradient reduce-scatters, parameter gathers) that runs hidden behind compute, as
+    Megatron's and FSDP's prefetching run them (a constant to fit likewise; 0 for a measured machine, whose
+    programs XLA schedules as it schedules them).
     """
 
     name: str
@@ -136,7 +137,7 @@ class Hardware:
         if unknown:
             raise TypeError(f"Hardware: {unknown} are not fields of Hardware; the fields are "
                             f"{[f.name for f in dataclasses.fields(cls)]}")
-        return cls(**{**fields, **_FITTED, **changes})
+        return cls(**{**fields, **_CHOSEN, **changes})
 
     @classmethod
     def measure(cls, mesh: Mesh, dtype: Any = jnp.float32) -> Hardware:
@@ -185,9 +186,10 @@ class Hardware:
         return self.hbm_bandwidth / 1e6
 
 
-# the constants fitted to published runs (docs/design.md, "Planning clusters"): the share of peak the matmuls of a
+# the constants a described chip is priced with, chosen and not yet fitted to published runs (docs/design.md,
+# "Clusters we cannot hold"; benchmarks/published.py): the share of peak the matmuls of a
 # transformer's step reach, and of the data axes' collectives that hides behind compute
-_FITTED = dict(efficiency=0.62, launch=5e-6, overlap=0.9)
+_CHOSEN = dict(efficiency=0.62, launch=5e-6, overlap=0.9)
 
 
 @functools.cache
