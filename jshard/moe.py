@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import AbstractMesh
 from jax.typing import ArrayLike
 
 from .caches import memo
@@ -253,10 +254,13 @@ class _Roles:
     def __init__(self, x: Spec, w: Spec):
         mesh = w.mesh
         names = list(mesh.axis_names)
-        table = w.layouts[0]  # mesh shape + (local experts,): each device's experts (-1: padding)
+        # a layout varies only along the axes that cut its dim (broadcast along the others): read one device per
+        # coordinate of those (a mesh of 16,384 abstract devices is priced so)
+        table = _cut_axes(w.layouts[0], w.chain(0))  # the experts each device holds (-1: padding)
         varies = lambda t, a: not np.all(t == t.take([0], axis=a))  # noqa: E731
         experts_on = [n for a, n in enumerate(names) if varies(table, a)]
-        tokens_on = {n for a, n in enumerate(names) if varies(x.layouts[0], a)}
+        tokens = _cut_axes(x.layouts[0], x.chain(0))
+        tokens_on = {n for a, n in enumerate(names) if varies(tokens, a)}
         self.dispatch = tuple(n for n in experts_on if n in tokens_on)
         self.others = tuple(n for n in experts_on if n not in tokens_on)
         self.n = math.prod(mesh.shape[a] for a in self.dispatch)
@@ -273,9 +277,10 @@ class _Roles:
         self.mesh = mesh
 
     @property
-    def platform(self) -> str:
-        """The devices' platform, read only where a kernel runs: a unit priced on an abstract mesh has none."""
-        return self.mesh.devices.flat[0].platform
+    def platform(self) -> str | None:
+        """The devices' platform; None on an abstract mesh (a cluster priced, never run here: an accelerator's, so
+        priced with the ragged transport)."""
+        return None if isinstance(self.mesh, AbstractMesh) else self.mesh.devices.flat[0].platform
 
     @property
     def tiled(self) -> bool:
@@ -300,6 +305,12 @@ class _Roles:
         counts them (the first axis major)."""
         return _linear([axis_index(a) for a in self.dispatch], [self.mesh.shape[a] for a in self.dispatch],
                        jnp.int32(0))
+
+
+def _cut_axes(layout: np.ndarray, chain: tuple) -> np.ndarray:
+    """``layout`` (mesh shape + (local,)) at coordinate 0 of every axis outside ``chain`` (it is the same there)."""
+    axes = {a for a, _ in chain}
+    return layout[tuple(slice(None) if a in axes else slice(0, 1) for a in range(layout.ndim - 1))]
 
 
 @memo(256)

@@ -52,6 +52,7 @@ from .roles import (
     repeated,
     tensor_sides,
 )
+from .styles import expert_weights
 from .training import check_tx, step_function
 
 __all__ = ["ROLES", "autoplan"]
@@ -227,7 +228,8 @@ def _autoplan_chips(make, chips, loss_fn, batch, tx, budget, styles, runners_up,
     experts = mixtures(model) if "ep" in styles else ()
     tensor = tensor_sides(model, loss_fn, batch) if set(styles) & set(TENSOR_ROLES) else {}
     tensor.update((pattern, "experts") for pattern in experts)
-    candidates = _factorings(model, chips, styles, batch, _depth(model, blocks), hardware, bool(experts))
+    candidates = _factorings(model, chips, styles, batch, _depth(model, blocks), hardware,
+                             _expert_count(model) if experts else 0)
     priced, rejected = _priced(model, blocks, tensor, loss_fn, batch, tx, hardware, candidates)
     if blocks is not None:  # those over the budget again, their blocks recomputing (a pipeline's stages do already)
         again = [(AbstractMesh(p.mesh_shape, p.axis_names), p.roles, {"remat": True}) for p in priced
@@ -247,9 +249,10 @@ def _autoplan_chips(make, chips, loss_fn, batch, tx, budget, styles, runners_up,
 
 
 def _factorings(model, chips: int, styles: tuple, batch: tuple, depth: int, hardware: Hardware,
-                experts: bool) -> list[tuple[AbstractMesh, dict, dict]]:
+                experts: int) -> list[tuple[AbstractMesh, dict, dict]]:
     """The ways to lay ``chips`` out, outermost first: the data axis (``fsdp``; ``dp`` too where the model's
-    parameters, gradients and Adam's state fit a chip replicated over it), ``ep`` inside it for mixtures of experts,
+    parameters, gradients and Adam's state fit a chip replicated over it; HSDP, ``_data_splits``), ``ep`` inside it
+    for mixtures of ``experts`` experts (over a divisor of their count),
     a pipeline (``pp``, over a divisor of the blocks), context parallelism (``cp``, for sequences of 16K tokens and
     more), and tensor parallelism innermost (``sp``, else ``tp``) over a divisor of a node's chips. A pipeline runs
     one sequence per data-parallel replica a microbatch (Megatron's micro-batch of one), or twice its stages'
@@ -259,7 +262,7 @@ def _factorings(model, chips: int, styles: tuple, batch: tuple, depth: int, hard
     tensor_role = "sp" if "sp" in styles else "tp" if "tp" in styles else None
     node = hardware.chips_per_node
     state = 16 * sum(math.prod(np.shape(v)) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    out = []
+    out, seen = [], set()
     for t in [t for t in _divisors(math.gcd(node, chips)) if t == 1 or tensor_role]:
         for p in [p for p in _divisors(chips // t) if p == 1 or ("pp" in styles and depth and depth % p == 0)]:
             for c in [c for c in _divisors(chips // (t * p))
@@ -268,11 +271,14 @@ def _factorings(model, chips: int, styles: tuple, batch: tuple, depth: int, hard
                 if rows % data:
                     continue
                 for split in _data_splits(data, styles, state / (t * p), hardware.hbm_bytes):
-                    for e in ([1] + [e for e in _divisors(split[-1][1]) if e > 1] if experts and "ep" in styles
-                              else [1]):
+                    for e in ([1] + [e for e in _divisors(math.gcd(split[-1][1], experts)) if e > 1]
+                              if experts and "ep" in styles else [1]):
                         inner = (split[-1][0], split[-1][1] // e)
                         sizes = [*split[:-1], inner, ("ep", e), ("pp", p), ("cp", c), (tensor_role, t)]
                         sizes = [(r, n) for r, n in sizes if n > 1] or [("dp", 1)]
+                        if tuple(sizes) in seen:  # a split whose data role is left size 1 is another's
+                            continue
+                        seen.add(tuple(sizes))
                         mesh = AbstractMesh(tuple(n for _, n in sizes), tuple(r for r, _ in sizes))
                         roles = {r: r for r, _ in sizes}
                         if p == 1:
@@ -282,6 +288,14 @@ def _factorings(model, chips: int, styles: tuple, batch: tuple, depth: int, hard
                                                                    if rows % m == 0 and (rows // m) % data == 0}):
                             out.append((mesh, roles, {"microbatches": m}))
     return out
+
+
+def _expert_count(model) -> int:
+    """The experts the model's mixtures share (the greatest common divisor of their counts): what an ``ep`` axis
+    must divide."""
+    counts = [shape[0] for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)
+              for _, shape in expert_weights(node)]
+    return math.gcd(*counts) if counts else 0
 
 
 def _data_splits(data: int, styles: tuple, state: float, hbm: int) -> list[list[tuple[str, int]]]:
