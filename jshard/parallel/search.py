@@ -255,8 +255,9 @@ def _factorings(model, chips: int, styles: tuple, batch: tuple, depth: int, hard
     for mixtures of ``experts`` experts (over a divisor of their count),
     a pipeline (``pp``, over a divisor of the blocks), context parallelism (``cp``, for sequences of 16K tokens and
     more), and tensor parallelism innermost (``sp``, else ``tp``) over a divisor of a node's chips. A pipeline runs
-    one sequence per data-parallel replica a microbatch (Megatron's micro-batch of one), or twice its stages'
-    count of microbatches where that differs. Axes are named by their roles."""
+    one sequence per data-parallel replica a microbatch (Megatron's micro-batch of one: the smallest bubble, and
+    1F1B's memory does not grow with the count), where that gives it at least as many microbatches as stages.
+    Axes are named by their roles."""
     rows = min((b.shape[0] for b in batch if b.shape), default=1)
     seq = batch[0].shape[1] if len(batch[0].shape) > 1 else 1
     tensor_role = "sp" if "sp" in styles else "tp" if "tp" in styles else None
@@ -284,9 +285,8 @@ def _factorings(model, chips: int, styles: tuple, batch: tuple, depth: int, hard
                         if p == 1:
                             out.append((mesh, roles, {}))
                             continue
-                        for m in sorted({rows // data, 2 * p} & {m for m in range(p, rows // data + 1)
-                                                                   if rows % m == 0 and (rows // m) % data == 0}):
-                            out.append((mesh, roles, {"microbatches": m}))
+                        if rows // data >= p:  # one sequence a replica a microbatch: the least bubble
+                            out.append((mesh, roles, {"microbatches": rows // data}))
     return out
 
 
