@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 from ..placements import Placement, format_placements
 from .styles import ParallelStyle
 
-__all__ = ["Memory", "Plan", "format_bytes", "role_names"]
+__all__ = ["Memory", "Plan", "format_bytes", "plan_name", "role_names"]
 
 
 class Memory(NamedTuple):
@@ -76,11 +76,8 @@ class Plan:
     def name(self) -> str:
         """The roles as one word per axis, ``"fsdp(dp)+tp(tp)"`` (on an abstract mesh whose axes are named by their
         roles, with their sizes: ``"fsdp64xpp2xsp8"``), a pipeline's microbatches and recomputed blocks after it."""
-        named = self.detail.get("abstract") and all(a == r for a, r in self.roles.items())
-        name = "x".join(f"{r}{n}" for r, n in zip(self.axis_names, self.mesh_shape, strict=True)) if named else \
-            role_names(self.roles)
-        extra = [f"m={self.detail['microbatches']}"] if self.detail.get("microbatches") else []
-        return " ".join([name, *extra, *(["remat"] if self.detail.get("remat") else [])])
+        sizes = dict(zip(self.axis_names, self.mesh_shape, strict=True)) if self.detail.get("abstract") else None
+        return plan_name(self.roles, sizes, self.detail.get("microbatches"), self.detail.get("remat"))
 
     def explain(self) -> str:
         """The chosen style of every module, the predicted figures, and the runners-up with theirs: why the plan
@@ -128,6 +125,19 @@ def _split(p: Plan) -> str:
     if d.get("hidden_us"):
         parts.append(f"{d['hidden_us'] / 1e3:.2f} ms hidden")
     return ", ".join(parts)
+
+
+def plan_name(roles: dict[str, str], sizes: dict[str, int] | None = None, microbatches: int | None = None,
+              remat: bool = False) -> str:
+    """A plan's name: its roles (``role_names``; sized, ``"fsdp64xsp8"``, where ``sizes`` are given and every axis
+    is named by its role), a pipeline's microbatches and recomputed blocks after them.
+
+    >>> plan_name({"fsdp": "fsdp", "pp": "pp"}, {"fsdp": 64, "pp": 2}, microbatches=8)
+    'fsdp64xpp2 m=8'
+    """
+    named = sizes is not None and all(a == r for a, r in roles.items())
+    name = "x".join(f"{r}{sizes[a]}" for a, r in roles.items()) if named else role_names(roles)
+    return " ".join([name, *([f"m={microbatches}"] if microbatches else []), *(["remat"] if remat else [])])
 
 
 def role_names(roles: dict[str, str]) -> str:

@@ -37,7 +37,7 @@ from ..engine import paused_collector
 from .hardware import Hardware
 from .initialise import building
 from .parallelize import blocks_differ, kind_of
-from .plan import Plan, role_names
+from .plan import Plan, plan_name
 from .predict import model_flops
 from .pricing import price, step_inputs
 from .roles import (
@@ -195,11 +195,8 @@ def _priced(model, blocks, tensor, loss_fn, batch, tx, hardware, candidates) -> 
 
 
 def _label(roles: dict, mesh, options: dict) -> str:
-    sizes = dict(mesh.shape)
-    name = role_names(roles) if any(a != r for a, r in roles.items()) else \
-        "x".join(f"{r}{sizes[a]}" for a, r in roles.items())
-    extra = [f"m={options['microbatches']}"] if options.get("microbatches") else []
-    return " ".join([name, *extra, *(["remat"] if options.get("remat") else [])])
+    sizes = dict(mesh.shape) if isinstance(mesh, AbstractMesh) else None  # as Plan.name says it
+    return plan_name(roles, sizes, options.get("microbatches"), options.get("remat", False))
 
 
 def _fitting(priced: list[Plan], rejected: list, budget: int | None, where: str) -> tuple[list[Plan], list]:
