@@ -9,10 +9,13 @@ gradients: with respect to ``stacked`` (every layer's parameters, stacked along 
 - ``stacked`` lies split along ``axis`` (``Shard(0)``: device ``d`` of the axis holds layers
   ``d*L/p ... (d+1)*L/p - 1``; with ``v`` virtual stages ``StridedShard(0, v)``, chunks of ``L/(p*v)`` layers
   dealt round-robin); everything else is replicated along ``axis``, placed freely on the other axes;
-- one layer's forward, its backward (the forward recomputed from the layer's input: a stage keeps only its
-  inputs, so its memory is the schedule's in-flight count times one activation) and the tail's value and
-  gradient are jaxprs of their own, planned on the mesh without ``axis`` (``jshard.constrain`` inside them names
-  the other axes alone), so tensor, data or sequence parallelism runs inside every stage;
+- one layer's forward, its backward and the tail's value and gradient are jaxprs of their own, planned on the
+  mesh without ``axis`` (``jshard.constrain`` inside them names the other axes alone), so tensor, data or sequence
+  parallelism runs inside every stage. The forward unit returns the residuals of the layer's vjp that depend on
+  its input, which the stage keeps per microbatch in flight until the backward unit reads them: each layer's
+  forward runs once per microbatch, as ``jax.grad`` runs it (a layer under ``jax.checkpoint`` / ``nnx.remat``
+  keeps only its input and computes its forward again in the backward unit). Residuals made from the parameters
+  alone (a weight cast to the compute dtype) are made again in the backward unit, never kept per microbatch;
 - the local kernel is a loop over the schedule's ticks (``jshard.parallel.schedule``): per tick every device runs
   the forward unit and the backward unit the tables give it (``lax.cond``: an idle device computes nothing), then
   sends its activation one stage on and its input gradient one stage back (two ``ppermute``\\ s, each over only the
@@ -55,7 +58,7 @@ from ..engine.constrain import hidden_axis
 from ..engine.kernel import local_function
 from ..engine.program import tracing_mesh
 from ..engine.walk import Body, control, move_cost, plan_jaxpr
-from ..jaxcompat import jc, mlir, source_info_util
+from ..jaxcompat import jc, mlir, open_jaxpr, run_equations, source_info_util
 from ..placements import Partial, Placement, Replicate, Shard, StridedShard, shift_dims
 from ..planner import model_in_force
 from ..propagate import Choice
@@ -106,10 +109,10 @@ def pipeline_value_and_grad(layer: Callable, tail: Callable, stacked: Any, other
                             "layer must return an array shaped like its input (the next layer's input)")
         return y
 
-    def backward(lp, x, dy):
-        _, pull = jax.vjp(forward, lp, x)
-        dlp, dx = pull(dy)
-        return (*dlp, dx)
+    def saving(lp, x):  # the layer's output and what its backward reads: the vjp's residuals
+        y, pull = jax.vjp(forward, lp, x)
+        res, saved["tree"] = jax.tree.flatten(pull)
+        return (y, *res)
 
     def last(o, x, *s):
         def mean_part(o, x):
@@ -128,9 +131,9 @@ def pipeline_value_and_grad(layer: Callable, tail: Callable, stacked: Any, other
         raise ValueError(f"pipeline: axis={axis!r} is not an axis of {where}; call it inside jshard.jit (or "
                          "TrainStep) on a mesh with that axis")
     p = mesh.shape[axis]
+    saved = {}
     with hidden_axis(axis, mesh.axis_names):
-        fwd = jax.make_jaxpr(forward)(layer_avals, x_aval)
-        bwd = jax.make_jaxpr(backward)(layer_avals, x_aval, x_aval)
+        fwd, bwd = _forward_and_backward(jax.make_jaxpr(saving)(layer_avals, x_aval), saved["tree"], len(leaves))
         tl = jax.make_jaxpr(last)(o_avals, x_aval, *side_avals)
     make_schedule(schedule, p, m, virtual_stages)  # the schedule's own errors, before the program is planned
     if depth % (p * virtual_stages):
@@ -166,14 +169,15 @@ def _impl(*args, fwd, bwd, tail, axis, kind, virtual, counts):
     d_other = [jnp.zeros_like(a) for a in other]
     dx0 = []
     for i in range(x0.shape[0]):
-        xs = [x0[i]]
+        x, kept = x0[i], []
         for j in range(depth):
-            xs.append(jax.core.eval_jaxpr(fwd.jaxpr, fwd.consts, *[a[j] for a in stacked], xs[-1])[0])
-        li, *do, dy = jax.core.eval_jaxpr(tail.jaxpr, tail.consts, *other, xs[-1], *[a[i] for a in side])
+            x, *res = jax.core.eval_jaxpr(fwd.jaxpr, fwd.consts, *[a[j] for a in stacked], x)
+            kept.append(res)
+        li, *do, dy = jax.core.eval_jaxpr(tail.jaxpr, tail.consts, *other, x, *[a[i] for a in side])
         loss = loss + li
         d_other = [a + b for a, b in zip(d_other, do, strict=True)]
         for j in reversed(range(depth)):
-            *dl, dy = jax.core.eval_jaxpr(bwd.jaxpr, bwd.consts, *[a[j] for a in stacked], xs[j], dy)
+            *dl, dy = jax.core.eval_jaxpr(bwd.jaxpr, bwd.consts, *[a[j] for a in stacked], *kept[j], dy)
             d_stacked = [a.at[j].add(b) for a, b in zip(d_stacked, dl, strict=True)]
         dx0.append(dy)
     return [loss, *d_stacked, *d_other, jnp.stack(dx0)]
@@ -220,11 +224,13 @@ def plan_pipeline(eqn: jc.JaxprEqn, specs: list[Spec], mesh: Mesh) -> tuple[Choi
     x = _inner(ins_x0, sub, ax, drop_dim0=True)
     side_in = [_inner(sp, sub, ax, drop_dim0=True) for sp in ins_side]
 
-    fwd = plan_jaxpr(prm["fwd"], layer + [x], sub)
-    bwd = plan_jaxpr(prm["bwd"], layer + [x, x], sub)
+    x, fwd = _steady(prm["fwd"], layer, x, sub)
+    ins_x0 = _outer(x, mesh, ax, Replicate(), stack=m)
+    res = list(fwd.out_specs[1:])  # the residuals a stage stashes, as the forward unit makes them
+    bwd = plan_jaxpr(prm["bwd"], layer + res + [x], sub)
     tail = plan_jaxpr(prm["tail"], tail_in + [x] + side_in, sub)
     whole = (Replicate(),) * len(sub.axis_names)
-    fwd_pins = [x]
+    fwd_pins = [x] + [None] * len(res)
     bwd_pins = [None] * n + [x]  # gradients accumulate as the plan makes them (a Partial is reduced once, after)
     tail_pins = [tail.out_specs[0].with_placements(whole)] + [None] * k + [x]
     d_layer, d_other = bwd.out_specs[:n], tail.out_specs[1:1 + k]
@@ -236,13 +242,13 @@ def plan_pipeline(eqn: jc.JaxprEqn, specs: list[Spec], mesh: Mesh) -> tuple[Choi
     kernel = _kernel(sched, axis, depth, local_function(fwd, fwd_pins), local_function(bwd, bwd_pins),
                      local_function(tail, tail_pins), counts=prm["counts"], loss_dtype=tail_pins[0].dtype,
                      accumulators=([(sp.local_block_shape, sp.dtype) for sp in d_layer],
-                                   [(sp.local_block_shape, sp.dtype) for sp in d_other]))
+                                   [(sp.local_block_shape, sp.dtype) for sp in d_other]),
+                     residuals=[(sp.local_block_shape, sp.dtype) for sp in res])
     rule = Rule("jshard_pipeline", strategies=None, communicates=lambda *_: _sends(sched, axis, x),
                 describe=lambda *_: f"{sched!r}\n{sched.table()}")
-    units, per = m * v, depth // (p * v)  # forward and backward units per device, each over ``per`` layers
-    # a backward unit runs the forward of all but its last layer again first (its layers' inputs)
-    bodies = (Body("layer forward", fwd, fwd_pins, runs=units * (2 * per - 1)),
-              Body("layer backward", bwd, bwd_pins, runs=units * per), Body("tail", tail, tail_pins, runs=m))
+    runs = m * depth // p  # each layer's forward and backward once per microbatch
+    bodies = (Body("layer forward", fwd, fwd_pins, runs=runs), Body("layer backward", bwd, bwd_pins, runs=runs),
+              Body("tail", tail, tail_pins, runs=m))
     model = model_in_force()
     cost = (move_cost(specs, ins_stacked + ins_other + [ins_x0] + ins_side)
             + sum(b.runs * (b.plan.cost + move_cost(b.plan.out_specs, b.pins)) for b in bodies)
@@ -278,6 +284,67 @@ def _outer(spec: Spec, mesh: Mesh, ax: int, placement: Placement, stack: int | N
     return Spec.create(mesh, ps, shape, spec.dtype, where="pipeline")
 
 
+def _steady(closed: jc.ClosedJaxpr, layer: list[Spec], x: Spec, sub: Mesh):
+    """The layer's input spec and its forward unit's plan: the input as it arrives, or as a value of the layer's
+    shape lies inside the layer's plan (a sequence-parallel block's residual stream), whichever plans cheapest with
+    the output moved to it. A layer's output is the next layer's input: where the arrival's layout is not the one
+    the layer keeps (a batch split on the tensor axis), every layer would move its input in and its output back."""
+    def priced(spec):
+        plan = plan_jaxpr(closed, layer + [spec], sub)
+        return plan.cost + move_cost(plan.out_specs[:1], [spec]), spec, plan
+
+    best = priced(x)
+    seen = {x.placements}
+    for eq in best[2].equations:
+        for spec in eq.choice.outs:
+            if (spec.shape == x.shape and spec.dtype == x.dtype and spec.placements not in seen
+                    and not any(q.is_partial for q in spec.placements)):
+                seen.add(spec.placements)
+                best = min(best, priced(x.with_placements(spec.placements, where="pipeline")), key=lambda b: b[0])
+    return best[1], best[2]
+
+
+def _forward_and_backward(closed: jc.ClosedJaxpr, tree: Any, n: int) -> tuple[jc.ClosedJaxpr, jc.ClosedJaxpr]:
+    """A layer's forward unit and backward unit, from the jaxpr of its output and its vjp's residuals (``tree``
+    rebuilds the vjp from them; ``n`` parameters, then the input). The forward unit ``(*params, x) -> (y,
+    *stashed)`` returns the residuals that depend on the layer's input: a stage keeps them per microbatch and layer
+    until the backward unit ``(*params, *stashed, dy) -> (*d params, dx)`` reads them; that unit makes the other
+    residuals again from the parameters (a weight cast to the compute dtype is never kept per microbatch)."""
+    jaxpr, consts = open_jaxpr(closed)
+    varying = {jaxpr.invars[n]}
+    for e in jaxpr.eqns:
+        if any(not isinstance(v, jc.Literal) and v in varying for v in e.invars):
+            varying.update(e.outvars)
+    res = jaxpr.outvars[1:]
+    stashed = [i for i, v in enumerate(res) if not isinstance(v, jc.Literal) and v in varying]
+    remade = [v for i, v in enumerate(res) if i not in stashed and not isinstance(v, jc.Literal)]
+    again = _needed([e for e in jaxpr.eqns if not varying.intersection(e.outvars)], remade)
+
+    def forward(*args):
+        env = dict(zip(jaxpr.constvars, consts, strict=True)) | dict(zip(jaxpr.invars, args, strict=True))
+        return run_equations(jaxpr.eqns, env, [jaxpr.outvars[0], *(res[i] for i in stashed)])
+
+    def backward(*args):
+        env = dict(zip(jaxpr.constvars, consts, strict=True)) | dict(zip(jaxpr.invars[:n], args[:n], strict=True))
+        env |= {res[i]: a for i, a in zip(stashed, args[n:-1], strict=True)}
+        dlp, dx = jax.tree.unflatten(tree, run_equations(again, env, res))(args[-1])
+        return (*dlp, dx)
+
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
+    kept = [jax.ShapeDtypeStruct(res[i].aval.shape, res[i].aval.dtype) for i in stashed]
+    return jax.make_jaxpr(forward)(*avals), jax.make_jaxpr(backward)(*avals[:n], *kept, avals[n])
+
+
+def _needed(eqns: list, outs: list) -> list:
+    """The equations of ``eqns`` that ``outs`` need, in order."""
+    need, kept = set(outs), []
+    for e in reversed(eqns):
+        if need.intersection(e.outvars):
+            kept.append(e)
+            need.update(v for v in e.invars if not isinstance(v, jc.Literal))
+    return kept[::-1]
+
+
 def _sends(sched, axis: str, x: Spec) -> list[Communication]:
     """What the kernel sends: per tick and direction one ``ppermute`` over exactly the pairs of stages the schedule
     moves an activation (forward) or a gradient (back) between, none where no pair does. A permute of ``k`` pairs on
@@ -295,10 +362,11 @@ def _sends(sched, axis: str, x: Spec) -> list[Communication]:
 
 
 def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Callable, counts, loss_dtype,
-            accumulators) -> Callable:
+            accumulators, residuals) -> Callable:
     """The per-device loop over the schedule's ticks (see the module's docstring). ``accumulators``: the local
-    (shape, dtype) of one layer's gradients and of the tail's, as their plans make them; the loss is summed in
-    float32 and returned as ``loss_dtype``."""
+    (shape, dtype) of one layer's gradients and of the tail's, as their plans make them; ``residuals``: of what a
+    layer's forward unit keeps for its backward unit. The loss is summed in float32 and returned as
+    ``loss_dtype``."""
     n, k, _ = counts
     p, v, slots = sched.stages, sched.virtual_stages, sched.slots
     per = depth // (p * v)
@@ -313,20 +381,15 @@ def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Ca
                     for pairs in sets]
         return jax.lax.switch(jnp.asarray(index)[t], branches, x) if len(branches) > 1 else branches[0](x)
 
-    def layers_forward(chunk, x):
-        return jax.lax.scan(lambda x, lp: (fwd(*lp, x)[0], None), x, chunk)[0]
+    def layers_forward(chunk, x):  # the chunk's output, and each layer's residuals stacked [per, ...]
+        return jax.lax.scan(lambda x, lp: (lambda y, *res: (y, res))(*fwd(*lp, x)), x, chunk)
 
-    def layers_backward(chunk, x, dy):
-        # each layer's input, from the stage input (the last layer's output is not needed: n - 1 forwards)
-        _, ys = jax.lax.scan(lambda x, lp: (lambda y: (y, y))(fwd(*lp, x)[0]), x, [a[:-1] for a in chunk])
-        xs = jnp.concatenate([x[None], ys])
-
-        def step(dy, lx):
-            lp, xi = lx
-            *dl, dx = bwd(*lp, xi, dy)
+    def layers_backward(chunk, kept, dy):
+        def step(dy, lk):
+            *dl, dx = bwd(*lk[0], *lk[1], dy)
             return dx, dl
 
-        dx, dl = jax.lax.scan(step, dy, (chunk, xs), reverse=True)
+        dx, dl = jax.lax.scan(step, dy, (chunk, kept), reverse=True)
         return list(dl), dx
 
     def run(*blocks):
@@ -335,7 +398,8 @@ def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Ca
         d = jax.lax.axis_index(axis)
         tab = {name: jnp.asarray(t) for name, t in tables.items()}
         buf = jnp.zeros((v, slots) + x0.shape[1:], x0.dtype)
-        carry = dict(stash=buf, fin=buf, bin=buf, loss=jnp.zeros((), jnp.float32),
+        stash = [jnp.zeros((v, slots, per) + shape, dtype) for shape, dtype in residuals]
+        carry = dict(stash=stash, fin=buf, bin=buf, loss=jnp.zeros((), jnp.float32),
                      grads=[jnp.zeros((v, per) + shape, dtype) for shape, dtype in accumulators[0]],
                      other=[jnp.zeros(shape, dtype) for shape, dtype in accumulators[1]], dx0=jnp.zeros_like(x0))
 
@@ -348,8 +412,8 @@ def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Ca
             def forward(c):
                 slot = fm % slots
                 xin = jnp.where(at("first_f", t), x0[fm], c["fin"][fc, slot])
-                c = dict(c, stash=c["stash"].at[fc, slot].set(xin))
-                y = layers_forward([a[fc] for a in chunks], xin)
+                y, kept = layers_forward([a[fc] for a in chunks], xin)
+                c = dict(c, stash=[s.at[fc, slot].set(r) for s, r in zip(c["stash"], kept, strict=True)])
 
                 def loss_of(c):
                     li, *do, dy = tail(*other, y, *[a[fm] for a in side])
@@ -363,7 +427,8 @@ def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Ca
 
             def backward(c):
                 slot = bm % slots
-                dl, dx = layers_backward([a[bc] for a in chunks], c["stash"][bc, slot], c["bin"][bc, slot])
+                dl, dx = layers_backward([a[bc] for a in chunks], [s[bc, slot] for s in c["stash"]],
+                                         c["bin"][bc, slot])
                 grads = [g.at[bc].add(e) for g, e in zip(c["grads"], dl, strict=True)]
                 dx0 = jnp.where(at("first_b", t), c["dx0"].at[bm].set(dx), c["dx0"])
                 return dict(c, grads=grads, dx0=dx0), dx

@@ -126,7 +126,7 @@ def price(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, hardware: Hard
     scoped = None if stages else blocks
     cut = depth if stages else min(depth, 2)
     if ("cut", scoped, cut, remat) not in traces:  # cutting a deep model costs more than copying the cut one
-        traces["cut", scoped, cut, remat] = nnx.split(cut_model(model, scoped, cut, remat))
+        traces["cut", scoped, cut, remat] = nnx.split(cut_model(model, blocks, cut, remat, scope=not stages))
     small = nnx.merge(*traces["cut", scoped, cut, remat], copy=True)  # a copy: parallelize_shapes changes it
     with axis_aliases(names):  # a jshard.constrain dict in the loss names the user's axes
         total, block = _figures(small, scoped, cut, depth - cut, canonical, plan, default, loss_fn,
@@ -326,8 +326,7 @@ def _body_figures(body: JaxprPlan, pins: list, rates: Rates, sizes: dict) -> dic
 
 def _pipeline_time(eq, bodies: list[dict], rates: Rates, sizes: dict) -> float:
     """A pipeline's µs on the critical path: its schedule's ticks, each as long as its slowest device's units (a
-    forward unit of ``L / (p v)`` layers; a backward unit of as many layers, after the forward of all but the last
-    again), the tail after the last stage's forward."""
+    forward unit and a backward unit of ``L / (p v)`` layers each), the tail after the last stage's forward."""
     prm = eq.eqn.params
     p = sizes[prm["axis"]]
     depth = eq.choice.ins[0].shape[0]
@@ -335,8 +334,7 @@ def _pipeline_time(eq, bodies: list[dict], rates: Rates, sizes: dict) -> float:
     sched = make_schedule(prm["kind"], p, m, prm["virtual"])
     layers = depth // (p * prm["virtual"])
     forward, backward, tail = (_unit_us(f, rates) for f in bodies)
-    busy = (layers * forward * (sched.forward >= 0)
-            + ((layers - 1) * forward + layers * backward) * (sched.backward >= 0))
+    busy = layers * (forward * (sched.forward >= 0) + backward * (sched.backward >= 0))
     busy[:, -1] += tail * (sched.forward[:, -1] >= 0)
     return float(busy.max(axis=1).sum())
 
@@ -441,16 +439,18 @@ def _peak(plan: JaxprPlan, ours: dict[int, str], fused: frozenset) -> Callable[[
 
 def _pipeline_held(eq) -> int:
     """What a pipeline holds while it runs besides its inputs and outputs: its kernel's buffers (per chunk,
-    ``slots`` microbatches' activations for each of the stash, the forward inputs and the backward inputs
-    received; ``jshard.parallel.schedule``), and at their peaks its layer's forward or backward (recomputing the
-    forward) and its tail."""
+    ``slots`` microbatches' layer residuals for each of its layers, and the forward and backward inputs received;
+    ``jshard.parallel.schedule``), and at their peaks its layer's forward or backward and its tail."""
     prm = eq.eqn.params
     n, k, _ = prm["counts"]
     x0 = eq.choice.ins[n + k]
-    sched = make_schedule(prm["kind"], x0.mesh.shape[prm["axis"]], x0.shape[0], prm["virtual"])
+    p = x0.mesh.shape[prm["axis"]]
+    sched = make_schedule(prm["kind"], p, x0.shape[0], prm["virtual"])
+    per = eq.choice.ins[0].shape[0] // (p * prm["virtual"])
+    kept = sum(sp.local_bytes for sp in eq.bodies[0].plan.out_specs[1:])  # one layer's residuals, a microbatch
     forward, backward, tail = (_peak(b.plan, {}, _fused(b.plan))(0) for b in eq.bodies)
     bodies = max(forward, backward, tail)  # one at a time: the tail after the forward unit, the backward after both
-    return 3 * prm["virtual"] * sched.slots * (x0.local_bytes // x0.shape[0]) + bodies
+    return prm["virtual"] * sched.slots * (2 * (x0.local_bytes // x0.shape[0]) + per * kept) + bodies
 
 
 def _shaped(mesh: Mesh, placements, shape, dtype) -> DArray:

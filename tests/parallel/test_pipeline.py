@@ -21,7 +21,7 @@ from jshard import Replicate, Shard
 from jshard.gpt import GPT, cross_entropy
 from jshard.gpt import plan as gpt_plan
 from jshard.parallel import PipelineParallel, TrainStep, parallelize
-from jshard.parallel.pipeline import _routes, _sends, pipeline_value_and_grad
+from jshard.parallel.pipeline import _forward_and_backward, _routes, _sends, pipeline_value_and_grad
 from jshard.parallel.schedule import make_schedule
 
 L, D, M, MB = 8, 16, 4, 6
@@ -85,6 +85,47 @@ def test_pipeline_value_and_grad_equals_the_layers_run_one_after_another(shape, 
     for ours, theirs in ((gs["w"], grads[0]), (gs["b"], grads[1]), (go["h"], grads[2]), (gx, grads[3])):
         np.testing.assert_allclose(np.asarray(ours.full()), theirs, rtol=1e-4, atol=1e-6)
     assert gs["w"].placements[0] == split  # the layers' gradients lie like the layers
+
+
+def test_a_layer_runs_forward_once_keeping_the_residuals_that_depend_on_its_input():
+    """Each layer's forward runs once per microbatch (as ``jax.grad`` runs it): its forward unit returns the vjp's
+    residuals made from the layer's input, which the stage keeps for the backward unit; a residual made of the
+    parameters alone (the weight cast to bfloat16) is made again there, never kept per microbatch."""
+    w, b, _, x, _ = _toy()
+    lp = [jnp.asarray(w[0]), jnp.asarray(b[0])]
+
+    def cast(lp, x):  # the weight cast to the compute dtype: a residual of the parameters alone
+        return jnp.tanh((x.astype(jnp.bfloat16) @ lp[0].astype(jnp.bfloat16)).astype(jnp.float32) + lp[1])
+
+    saved = {}
+
+    def saving(lp, x):
+        y, pull = jax.vjp(cast, lp, x)
+        res, saved["tree"] = jax.tree.flatten(pull)
+        return (y, *res)
+
+    fwd, bwd = _forward_and_backward(jax.make_jaxpr(saving)(lp, x[0]), saved["tree"], 2)
+    y, *kept = jax.core.eval_jaxpr(fwd.jaxpr, fwd.consts, *lp, x[0])
+    assert kept and all(k.shape[:1] == (MB,) for k in kept)  # per token: nothing of the weight's [D, D] shape
+    dy = jnp.ones_like(y)
+    got = jax.core.eval_jaxpr(bwd.jaxpr, bwd.consts, *lp, *kept, dy)
+    want_y, pull = jax.vjp(cast, lp, x[0])
+    (dw, db), dx = pull(dy)
+    for ours, theirs in zip(got, (dw, db, dx), strict=True):
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want_y))
+    # in the program: every layer's forward unit runs once per microbatch, as its backward unit does
+    mesh = jax.make_mesh((2, 4), ("pp", "dp"))
+    args = [jshard.distribute(a, mesh, [Shard(0), Replicate()]) for a in (w, b)]
+    args += [jshard.distribute(a, mesh, [Replicate(), Replicate()]) for a in _toy()[2:]]
+
+    def run(w, b, h, x, y):
+        return pipeline_value_and_grad(lambda lp, x: cast([lp["w"], lp["b"]], x), _tail, {"w": w, "b": b},
+                                       {"h": h}, x, (y,), axis="pp")
+
+    explained = jshard.jit(run).explain(*args)
+    runs = {r["primitive"].split(" | ")[0]: r["runs"] for r in explained.rows if " | " in r["primitive"]}
+    assert runs["jshard_pipeline layer forward"] == runs["jshard_pipeline layer backward"] == M * L // 2
 
 
 # -- what the kernel sends ----------------------------------------------------------------------------------------
@@ -336,11 +377,11 @@ def test_explain_shows_the_schedule_and_the_sends_the_program_runs():
     assert [nbytes for _, _, nbytes, _ in row["own"]] == [activation * k // 4 for k in (1, 2, 3)]
     assert sum(n for *_, n in row["own"]) == sends
     assert sum(nbytes * n for *_, nbytes, n in row["own"]) == 2 * 4 * 3 * activation // 4  # m (p - 1) hops each way
-    # a call runs each layer's forward (again before its backward, but for a unit's last layer) and backward once per
-    # microbatch and layer, the tail once per microbatch: their FSDP gathers as many times
+    # a call runs each layer's forward and backward once per microbatch and layer, the tail once per microbatch:
+    # their FSDP gathers as many times
     per = LAYERS // 4
     runs = {r["primitive"].split(" | ")[0]: r["runs"] for r in explained.rows if " | " in r["primitive"]}
-    assert runs == {"jshard_pipeline layer forward": 4 * (2 * per - 1), "jshard_pipeline layer backward": 4 * per,
+    assert runs == {"jshard_pipeline layer forward": 4 * per, "jshard_pipeline layer backward": 4 * per,
                     "jshard_pipeline tail": 4}
     counted = {}
     for r in explained.rows:

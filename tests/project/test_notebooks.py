@@ -37,7 +37,11 @@ def _images(cell: dict) -> int:
     return sum("image/png" in o.get("data", {}) for o in cell["outputs"])
 
 
-@pytest.mark.parametrize("name", NAMES)
+# notebook 06 prices Llama 3 on some 25 clusters and searches two (over a minute on 2 cores): run with -m slow
+SLOW = {"06_planning_a_cluster.ipynb"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in NAMES])
 def test_notebook_runs_and_shows_its_figures(name, monkeypatch):
     monkeypatch.delenv("MPLBACKEND", raising=False)  # as in Jupyter and Colab: the kernel picks inline display
     ran = build.execute(build.notebook(build.NOTEBOOKS[name]))  # an error in any cell raises here
@@ -48,11 +52,12 @@ def test_notebook_runs_and_shows_its_figures(name, monkeypatch):
 
 
 def test_plots_are_where_the_notebooks_say():
-    """Notebooks 02, 03 and 04 plot (communication per style; memory and communication per plan; memory and step
-    time against sequence length)."""
+    """Notebooks 02 to 06 plot (communication per style; memory and communication per plan; memory and step time
+    against sequence length; routing and load per expert; predicted MFU and memory against chip count)."""
     plotted = {n for n in NAMES if _figure_cells(build.notebook(build.NOTEBOOKS[n]))}
     assert plotted == {"02_flax_tensor_parallel.ipynb", "03_large_models_and_checkpoints.ipynb",
-                       "04_long_context_and_deep_models.ipynb", "05_mixture_of_experts.ipynb"}
+                       "04_long_context_and_deep_models.ipynb", "05_mixture_of_experts.ipynb",
+                       "06_planning_a_cluster.ipynb"}
     assert "matplotlib.use" not in open(os.path.join(HERE, "build.py")).read()  # no backend forced
 
 
