@@ -9,7 +9,7 @@ The rows (sources and caveats in ``docs/design.md``, "Planning clusters"):
   data parallel 48 in every row, MFU against 989 TFLOP/s): GPT 1.7B on 48 GPUs to 462B on 6,144. Their models are
   GPT-3's shape (a GELU MLP four times wide, multi-head attention, untied embeddings), ``jshard.gpt.GPT`` here in
   bf16 with float32 parameters; the runs' distributed optimizer (its state split over the data axis, the
-  gradients reduce-scattered and the parameters gathered once a step) is the ``fsdp`` role without a pipeline and
+  gradients reduce-scattered and the parameters gathered once a step) is the ``zero`` role without a pipeline and
   ``dp`` with one (see the comment in ``runs``), sequence parallelism with the tensor parallelism (``sp``), a
   pipeline's microbatches of one sequence per data-parallel replica;
 - torchtitan's Llama 3.1 8B rows (``benchmarks/llama3_h100_202412_torchtitan.md``, December 2024): FSDP on 8 and on
@@ -79,10 +79,10 @@ _MEGATRON_ROWS = [("1.7b", 16, 2048, 24, 1, 1, 192, 0.41), ("7.1b", 32, 4096, 30
 def runs() -> list[Run]:
     out = []
     for size, heads, dim, layers, tp, pp, batch, mfu in _MEGATRON_ROWS:
-        # the distributed optimizer gathers parameters once a step; jshard's FSDP inside a pipeline stage gathers
-        # them once a microbatch, so a pipelined row's data axis is dp (parameters whole in the stage, gradients
-        # reduced once a step: the same bytes), its optimizer state then held whole (docs/design.md: no ZeRO-1 yet)
-        roles = {"dp" if pp > 1 else "fsdp": 48, **({"pp": pp} if pp > 1 else {}), **({"sp": tp} if tp > 1 else {})}
+        # the distributed optimizer is the "zero" role (parameters gathered once a step, gradients reduce-scattered
+        # once); with a pipeline jshard has no zero yet, so a pipelined row's data axis is dp (parameters whole in
+        # the stage, gradients reduced once a step: the same bytes), its optimizer state then held whole
+        roles = {"dp" if pp > 1 else "zero": 48, **({"pp": pp} if pp > 1 else {}), **({"sp": tp} if tp > 1 else {})}
         out.append(Run(f"megatron-{size}", _gpt(131072, dim, heads, layers, 4096), batch, 4096, roles,
                        Hardware.h100(), microbatches=batch // 48 if pp > 1 else None, mfu=mfu, source=MEGATRON))
     h100_96 = Hardware.h100(name="H100 SXM 96GB HBM2e 500W", hbm_bytes=96 * 2**30, hbm_bandwidth=2.4e12)

@@ -341,8 +341,9 @@ def _look_ahead(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh
         if not _choosable(eq):
             continue
         specs = _operand_specs(eq, env, mesh)
-        if not _communicating(specs, eq.choice.ins):
+        if not _communicating(specs, eq.choice.ins) and not _output_moved(equations, users, pins, env, eq):
             continue
+        best = None
         for alt in alternatives(eq.eqn.primitive, eq.eqn.params, specs, [o.aval for o in eq.eqn.outvars],
                                 consts=eq.consts, mesh=mesh):
             if alt.outs == eq.choice.outs:
@@ -351,10 +352,11 @@ def _look_ahead(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh
             if trial is None:
                 continue
             (cost, sent), (was, sent_before) = _trial_moves(equations, users, env, mesh, pins, trial)
-            # cheaper, and never by trading a few small reductions' latency for more bytes moved
-            if cost < was - 1e-9 and sent <= sent_before:
-                _apply(equations, env, trial)
-                break
+            # cheaper, and never by trading a few small reductions' latency for more bytes moved; the cheapest
+            if cost < was - 1e-9 and sent <= sent_before and (best is None or cost < best[0] - 1e-9):
+                best = cost, trial
+        if best is not None:
+            _apply(equations, env, best[1])
 
 
 def _shrink(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh, pinned: list) -> None:
@@ -530,6 +532,22 @@ def _new_collectives(specs: list[Spec], was: tuple, now: tuple) -> bool:
     """Does running with inputs ``now`` instead of ``was`` move an input with a collective it did not take?"""
     return any(t != w and plan_redistribute(s, t.placements).collectives
                for s, w, t in zip(specs, was, now, strict=True))
+
+
+def _output_moved(equations, users, pins, env, eq: EquationPlan) -> bool:
+    """Does a consumer (or the output's pin) move one of ``eq``'s outputs with a collective? A strategy that moves
+    nothing in may leave its output where every consumer pays (an embedding's gradient scattered whole, as pending
+    sums over the tensor axis, and then reduce-scattered at the size of the table)."""
+    for o in eq.outs or ():
+        if o is None or o not in env:
+            continue
+        targets = [equations[j].choice.ins[k] for j in users.get(o, ())
+                   for k, op in enumerate(equations[j].operands) if not op.literal and op.value is o]
+        if o in pins:
+            targets.append(pins[o])
+        if _communicating([env[o]] * len(targets), targets):
+            return True
+    return False
 
 
 def _communicating(specs: list[Spec], targets) -> bool:

@@ -35,7 +35,8 @@ from .initialise import building
 from .parallelize import kind_of
 from .plan import Memory, Plan, format_bytes
 from .pricing import price
-from .roles import ROLES, TENSOR_ROLES, cut_model, mixtures, module_at, repeated, tensor_sides
+from .roles import (BATCH_ROLES, ROLES, TENSOR_ROLES, cut_model, mixtures, module_at, pipeline_microbatches,
+                    repeated, tensor_sides)
 from .training import check_tx
 
 __all__ = ["Prediction", "predict"]
@@ -232,13 +233,17 @@ def _checked(make, loss_fn, batch, hardware, roles, tx, microbatches, remat):
         raise ValueError(f"predict: microbatches={microbatches!r} is a pipeline's count of microbatches, an int >= 1 "
                          f"with a 'pp' role; roles are {roles}")
     batch = tuple(jax.ShapeDtypeStruct(np.shape(b), b.dtype) for b in batch)
-    data = math.prod(n for r, n in roles.items() if r in ("dp", "fsdp", "ep"))
+    data = math.prod(n for r, n in roles.items() if r in BATCH_ROLES)
     rows = batch[0].shape[0] if batch[0].shape else 1
     per = rows // (microbatches or 1)
     if rows % (microbatches or 1) or per % data:
         raise ValueError(f"predict: the batch's {rows} rows do not split over the data axes ({data} ways"
                          + (f", in each of {microbatches} microbatches" if microbatches else "")
                          + f") of roles {roles}; make the batch a multiple of {data * (microbatches or 1)}")
+    if "pp" in roles and microbatches is None and pipeline_microbatches(roles["pp"], rows, data) is None:
+        raise ValueError(f"predict: roles {roles} pipeline the batch's {rows} rows over pp={roles['pp']} stages, and "
+                         f"neither {2 * roles['pp']} nor {roles['pp']} microbatches of rows split over the data axes "
+                         f"({data} ways); pass microbatches= (a count dividing the rows into multiples of {data})")
     if tx is not None:
         check_tx(tx, "predict")
     tx = optax.adamw(1e-3) if tx is None else tx

@@ -71,8 +71,9 @@ from .training import GRADIENT_PINS, mirror_placements, step_function
 __all__ = ["FIGURES", "Rates", "memory_of", "price", "step_inputs"]
 
 # what a step's figures hold per chip: µs in collectives (all, by link level, on the data axes), bytes sent in
-# them, matmul FLOPs, bytes written, µs of a pipeline's schedule
-FIGURES = ("comm_us", *(f"{level}_us" for level in LEVELS), "data_us", "bytes", "flops", "written", "pipeline_us")
+# them, matmul FLOPs, bytes written, µs of a pipeline's schedule and the FLOPs its units run (in that time)
+FIGURES = ("comm_us", *(f"{level}_us" for level in LEVELS), "data_us", "bytes", "flops", "written", "pipeline_us",
+           "pipeline_flops")
 
 
 class Rates:
@@ -126,7 +127,7 @@ def price(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, hardware: Hard
     scoped = None if stages else blocks
     cut = depth if stages else min(depth, 2)
     if ("cut", scoped, cut, remat) not in traces:  # cutting a deep model costs more than copying the cut one
-        traces["cut", scoped, cut, remat] = nnx.split(cut_model(model, blocks, cut, remat, scope=not stages))
+        traces["cut", scoped, cut, remat] = nnx.split(cut_model(model, scoped, cut, remat))
     small = nnx.merge(*traces["cut", scoped, cut, remat], copy=True)  # a copy: parallelize_shapes changes it
     with axis_aliases(names):  # a jshard.constrain dict in the loss names the user's axes
         total, block = _figures(small, scoped, cut, depth - cut, canonical, plan, default, loss_fn,
@@ -141,7 +142,8 @@ def price(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, hardware: Hard
                 step_us=compute_us + total["comm_us"] - hidden, bytes_moved=int(total["bytes"]),
                 memory=memory_of(total, total["temps"]),
                 detail={"compute_us": compute_us, "comm_us": total["comm_us"], "hidden_us": hidden,
-                        "flops": total["flops"], "intra_us": total["intra_us"], "inter_us": total["inter_us"],
+                        "flops": total["flops"] + total["pipeline_flops"], "intra_us": total["intra_us"],
+                        "inter_us": total["inter_us"],
                         "pipeline_us": total["pipeline_us"], "microbatches": micro, "remat": remat,
                         "abstract": isinstance(mesh, AbstractMesh),
                         "cut": cut, "depth": depth, "cut_bytes": at_cut},
@@ -288,6 +290,7 @@ def _equation_figures(eq, rates: Rates, sizes: dict, fused: frozenset = frozense
     if eq.eqn.primitive.name == "jshard_pipeline":  # its bodies' time is its schedule's; their bytes as they run
         out["pipeline_us"] = _pipeline_time(eq, [f for _, f in bodies], rates, sizes)
         out["bytes"] += sum(b.runs * f["bytes"] for b, f in bodies)
+        out["pipeline_flops"] = sum(b.runs * f["flops"] for b, f in bodies)
         return out
     branches = [f for b, f in bodies if b.alternative]
     runs = [(f, WHILE_TRIPS if b.runs is None else b.runs) for b, f in bodies if not b.alternative]
@@ -401,9 +404,10 @@ def _peak(plan: JaxprPlan, ours: dict[int, str], fused: frozenset) -> Callable[[
     """The most bytes a device holds at once in the intermediates (not the inputs) of the plan of a model cut
     short, as a function of how many blocks like its last the model has ``more``: each value from its equation to
     its last use, a moved operand's copy while its consumer runs (``fused``: values never written). The values
-    every block holds at once are held ``more`` times more: the block's gradients and updates (``ours``' ``"own"``)
-    and its forward pass's values that its backward pass reads (its activations). One walk: at each equation the
-    bytes held are ``base + more * extra``."""
+    every block holds at once are held ``more`` times more: the block's gradients and updates (``ours``' ``"own"``
+    made outside the backward pass: the values of its backward pass that feed them are freed block by block) and
+    its forward pass's values that its backward pass reads (its activations). One walk: at each equation the bytes
+    held are ``base + more * extra``."""
     last, users = {}, {}
     for i, eq in enumerate(plan.equations):
         for op in eq.operands:
@@ -416,14 +420,19 @@ def _peak(plan: JaxprPlan, ours: dict[int, str], fused: frozenset) -> Callable[[
         kind = ours.get(id(eq))
         for o, spec in zip(eq.outs or (), eq.choice.outs, strict=True):
             if o is not None and o not in fused:
-                kept = kind == "own" or (kind == "forward" and any(map(_backward, users.get(o, ()))))
+                # held once per block: its gradient and update (not the backward pass's values that feed them,
+                # each freed as the next is made) and the values its backward pass reads of its forward pass and
+                # of its input (all a block under remat keeps)
+                read = {ours.get(id(u)) for u in users.get(o, ())}
+                kept = ((kind == "own" and not _backward(eq)) or (kind == "forward" and "backward" in read)
+                        or (kind is None and {"forward", "backward"} <= read))
                 size[o] = (spec.local_bytes, spec.local_bytes if kept else 0)
                 live[0] += size[o][0]
                 live[1] += size[o][1]
         moved = sum(t.local_bytes for op, t in zip(eq.operands, eq.choice.ins, strict=True)
                     if isinstance(op.move, MovePlan) and op.move.steps)
         held = _pipeline_held(eq) if eq.eqn.primitive.name == "jshard_pipeline" else 0
-        points.add((live[0] + moved + held, live[1] + (moved if kind == "own" else 0)))
+        points.add((live[0] + moved + held, live[1]))
         for op in eq.operands:
             if not op.literal and last.get(op.value) == i and op.value in size and op.value not in ends:
                 base, extra = size.pop(op.value)

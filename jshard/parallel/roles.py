@@ -3,8 +3,10 @@ reads of the model's own structure (its list of identical blocks, its mixtures o
 axis each linear layer takes).
 
 A role is what a mesh axis does: ``"dp"`` (the batch split, parameters replicated), ``"fsdp"`` (the batch split,
-parameters sharded and gathered where used), ``"ep"`` (expert parallelism, offered where the model has mixtures of
-experts: the batch split, every mixture's experts split and kept in place, ``ExpertParallel``), ``"tp"``
+parameters sharded and gathered where used), ``"zero"`` (the batch split, parameters and optimizer state sharded,
+the parameters gathered once a step as the model is called and their gradients reduce-scattered once: Megatron-LM's
+distributed optimizer; ``FullyShard`` matched on the whole model), ``"ep"`` (expert parallelism, offered where the
+model has mixtures of experts: the batch split, every mixture's experts split and kept in place, ``ExpertParallel``), ``"tp"``
 (Megatron's tensor parallelism), ``"sp"`` (``"tp"`` with the norms and residual stream sharded on the sequence),
 ``"cp"`` (context parallelism: the sequence split, attention crossing the axis as the cost model chooses) or
 ``"pp"`` (pipeline parallelism: the list of identical blocks split into stages, 1F1B). Under ``"tp"`` / ``"sp"``
@@ -46,8 +48,8 @@ __all__ = ["BATCH_ROLES", "BLOCK_SCOPE", "ROLES", "TENSOR_ROLES", "TRACED_AS", "
            "cut_model", "mixtures", "module_at", "param_path", "pipeline_microbatches", "repeated", "styles_of",
            "tensor_sides"]
 
-ROLES = ("dp", "fsdp", "ep", "tp", "sp", "cp", "pp")
-BATCH_ROLES = ("dp", "fsdp", "ep")  # roles that split the batch
+ROLES = ("dp", "fsdp", "zero", "ep", "tp", "sp", "cp", "pp")
+BATCH_ROLES = ("dp", "fsdp", "zero", "ep")  # roles that split the batch
 TENSOR_ROLES = ("tp", "sp")
 TRACED_AS = {"fsdp": "dp"}  # roles whose steps trace alike (see _Whole)
 
@@ -65,10 +67,16 @@ def styles_of(roles: dict[str, str], tensor: dict, blocks: tuple | None = None,
     it (``pricing``), a data-parallel axis gathers its parameters, whole already, as an FSDP one does (``_Whole``)."""
     default = tuple((FullyShard if r == "fsdp" else _Whole)(a, param_dtype=param_dtype) for a, r in roles.items()
                     if r == "fsdp" or (pricing and r == "dp"))
+    if {"zero", "pp"} <= set(roles.values()):
+        raise ValueError(f"roles {roles}: 'zero' (the whole model gathered once a step) with a pipeline ('pp') is not "
+                         "supported yet (a stage's stacked blocks are not gathered at the model's call); take 'dp' "
+                         "or 'fsdp' for the data axis of a pipeline")
     plan: dict[str, tuple[ParallelStyle, ...]] = {}
     for axis, role in roles.items():
         if role == "cp":
-            plan[""] = (ContextParallel(axis),)
+            plan[""] = (*plan.get("", ()), ContextParallel(axis))
+        if role == "zero":  # the whole model one unit: its parameters gathered once a step, where it is called
+            plan[""] = (*plan.get("", ()), FullyShard(axis, param_dtype=param_dtype))
         if role == "pp":
             plan[module_key(blocks, any_index=True)] = (PipelineParallel(axis, microbatches=microbatches),)
         if role == "ep":
@@ -231,19 +239,18 @@ def module_at(model, path):
     return node
 
 
-def cut_model(model: nnx.Module, path: tuple | None, depth: int, remat: bool = False,
-              scope: bool = True) -> nnx.Module:
+def cut_model(model: nnx.Module, path: tuple | None, depth: int, remat: bool = False) -> nnx.Module:
     """A copy of the abstract ``model`` whose block list at ``path`` keeps its first ``depth`` blocks, the last
-    called inside ``jax.named_scope(BLOCK_SCOPE)`` unless not ``scope`` (so the equations of its forward and
-    backward passes say so; a pipeline's blocks stay alike); ``remat``: every block's activations recomputed in the
-    backward pass (``jax.checkpoint`` around each call: what the step keeps of a block is its input)."""
+    called inside ``jax.named_scope(BLOCK_SCOPE)`` (so the equations of its forward and backward passes say so);
+    ``remat``: every block's activations recomputed in the backward pass (``jax.checkpoint`` around each call: what
+    the step keeps of a block is its input)."""
     graphdef, state = nnx.split(model)
     copy = nnx.merge(graphdef, state, copy=True)
     if path is not None:
         parent = module_at(copy, path[:-1])
         kept = list(getattr(parent, path[-1]))[:depth]
         for i, block in enumerate(kept):
-            block.__class__ = _scoped(type(block), scope=scope and i == len(kept) - 1, remat=remat)
+            block.__class__ = _scoped(type(block), scope=i == len(kept) - 1, remat=remat)
         setattr(parent, path[-1], nnx.List(kept))
     return copy
 

@@ -72,7 +72,7 @@ def autoplan(make: Callable[[], nnx.Module], mesh: Mesh | AbstractMesh | int, lo
     ``make``: the model's constructor, as ``parallelize`` takes it (it is only traced: nothing is built);
     ``batch``: arrays or ``jax.ShapeDtypeStruct``\\ s at global shape (token ids first); ``tx``: the optimizer (its
     state counts in memory; default ``optax.adamw(1e-3)``); ``styles``: the roles an axis may take (default all of
-    ``ROLES``). Raises ``ValueError`` naming the budget and the smallest memory a plan reaches when none fits.
+    ``ROLES`` but ``"zero"``, which ``predict`` prices and a search tries where it is named). Raises ``ValueError`` naming the budget and the smallest memory a plan reaches when none fits.
 
     >>> import jax, jax.numpy as jnp, jshard
     >>> from flax import nnx
@@ -170,7 +170,7 @@ def _model(make, batch, tx, styles):
         raise TypeError(f"autoplan: make() must build an nnx.Module, it built {kind_of(model)}; pass the model's "
                         "constructor, lambda: GPT(cfg, rngs=nnx.Rngs(0))")
     batch = tuple(jax.ShapeDtypeStruct(np.shape(b), b.dtype) for b in batch)
-    return model, batch, optax.adamw(1e-3) if tx is None else tx, tuple(styles or ROLES)
+    return model, batch, optax.adamw(1e-3) if tx is None else tx, tuple(styles or (r for r in ROLES if r != "zero"))
 
 
 def _depth(model, blocks) -> int:
@@ -228,10 +228,9 @@ def _autoplan_chips(make, chips, loss_fn, batch, tx, budget, styles, runners_up,
     candidates = _factorings(model, chips, styles, batch, _depth(model, blocks), hardware,
                              _expert_count(model) if experts else 0)
     priced, rejected = _priced(model, blocks, tensor, loss_fn, batch, tx, hardware, candidates)
-    if blocks is not None:  # those over the budget again, their blocks recomputing
-        again = [(AbstractMesh(p.mesh_shape, p.axis_names), p.roles,
-                  {"remat": True, "microbatches": p.detail["microbatches"]}) for p in priced
-                 if p.memory.total > budget]
+    if blocks is not None:  # those over the budget again, their blocks recomputing (not yet a pipeline's)
+        again = [(AbstractMesh(p.mesh_shape, p.axis_names), p.roles, {"remat": True}) for p in priced
+                 if "pp" not in p.roles.values() and p.memory.total > budget]
         more, refused = _priced(model, blocks, tensor, loss_fn, batch, tx, hardware, again)
         priced, rejected = priced + more, rejected + refused
     if not priced:
