@@ -35,8 +35,17 @@ from .initialise import building
 from .parallelize import kind_of
 from .plan import Memory, Plan, format_bytes
 from .pricing import price
-from .roles import (BATCH_ROLES, ROLES, TENSOR_ROLES, cut_model, mixtures, module_at, pipeline_microbatches,
-                    repeated, tensor_sides)
+from .roles import (
+    BATCH_ROLES,
+    ROLES,
+    TENSOR_ROLES,
+    cut_model,
+    mixtures,
+    module_at,
+    pipeline_microbatches,
+    repeated,
+    tensor_sides,
+)
 from .training import check_tx
 
 __all__ = ["Prediction", "predict"]

@@ -6,14 +6,14 @@ A role is what a mesh axis does: ``"dp"`` (the batch split, parameters replicate
 parameters sharded and gathered where used), ``"zero"`` (the batch split, parameters and optimizer state sharded,
 the parameters gathered once a step as the model is called and their gradients reduce-scattered once: Megatron-LM's
 distributed optimizer; ``FullyShard`` matched on the whole model), ``"ep"`` (expert parallelism, offered where the
-model has mixtures of experts: the batch split, every mixture's experts split and kept in place, ``ExpertParallel``), ``"tp"``
-(Megatron's tensor parallelism), ``"sp"`` (``"tp"`` with the norms and residual stream sharded on the sequence),
-``"cp"`` (context parallelism: the sequence split, attention crossing the axis as the cost model chooses) or
-``"pp"`` (pipeline parallelism: the list of identical blocks split into stages, 1F1B). Under ``"tp"`` / ``"sp"``
-each linear layer's side is read from the model's own dataflow, not from its names: a layer fed by no other
-layer's output (q, k, v, up, a head) runs column parallel, one fed by a column-parallel layer (o, down) row
-parallel, alternating along a chain; embeddings looked up by the batch's ids are split on the vocabulary; norms
-pin their output replicated (``"tp"``) or run sequence parallel (``"sp"``).
+model has mixtures of experts: the batch split, every mixture's experts split and kept in place,
+``ExpertParallel``), ``"tp"`` (Megatron's tensor parallelism), ``"sp"`` (``"tp"`` with the norms and residual
+stream sharded on the sequence), ``"cp"`` (context parallelism: the sequence split, attention crossing the axis as
+the cost model chooses) or ``"pp"`` (pipeline parallelism: the list of identical blocks split into stages, 1F1B).
+Under ``"tp"`` / ``"sp"`` each linear layer's side is read from the model's own dataflow, not from its names: a
+layer fed by no other layer's output (q, k, v, up, a head) runs column parallel, one fed by a column-parallel layer
+(o, down) row parallel, alternating along a chain; embeddings looked up by the batch's ids are split on the
+vocabulary; norms pin their output replicated (``"tp"``) or run sequence parallel (``"sp"``).
 """
 
 from __future__ import annotations

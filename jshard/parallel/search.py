@@ -72,7 +72,8 @@ def autoplan(make: Callable[[], nnx.Module], mesh: Mesh | AbstractMesh | int, lo
     ``make``: the model's constructor, as ``parallelize`` takes it (it is only traced: nothing is built);
     ``batch``: arrays or ``jax.ShapeDtypeStruct``\\ s at global shape (token ids first); ``tx``: the optimizer (its
     state counts in memory; default ``optax.adamw(1e-3)``); ``styles``: the roles an axis may take (default all of
-    ``ROLES`` but ``"zero"``, which ``predict`` prices and a search tries where it is named). Raises ``ValueError`` naming the budget and the smallest memory a plan reaches when none fits.
+    ``ROLES`` but ``"zero"``, which ``predict`` prices and a search tries where it is named). Raises
+    ``ValueError`` naming the budget and the smallest memory a plan reaches when none fits.
 
     >>> import jax, jax.numpy as jnp, jshard
     >>> from flax import nnx
