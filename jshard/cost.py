@@ -35,10 +35,13 @@ COLLECTIVES = tuple(_VOLUME)
 
 @dataclass(frozen=True)
 class AxisCost:
-    """Latency per hop (µs) and bandwidth per device (GB/s) of one mesh axis."""
+    """Latency per hop (µs) and bandwidth per device (GB/s) of one mesh axis; ``tree``: a collective over it takes
+    ``log2 n`` hops (NCCL's trees and PAT between nodes, which it picks where latency counts), not a ring's
+    ``n - 1``, at the ring's bandwidth."""
 
     latency_us: float = 2.7
     bandwidth_gbps: float = 19.3
+    tree: bool = False
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,8 @@ class CostModel:
         costs = [self.axis(a) for a in axis_names]
         latency = max(c.latency_us for c in costs)
         bandwidth = min(c.bandwidth_gbps for c in costs)
-        hops = 1 if kind == "permute" else _HOPS[kind] * (group_size - 1)  # a permute is one point-to-point hop
+        steps = math.ceil(math.log2(group_size)) if all(c.tree for c in costs) else group_size - 1
+        hops = 1 if kind == "permute" else _HOPS[kind] * steps  # a permute is one point-to-point hop
         return (
             (self.launch_us if launch else 0.0)
             + hops * latency

@@ -44,13 +44,16 @@ LEVELS = ("intra", "inter")
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-    """One level of the network, per chip: ``bandwidth`` in bytes/s one way, ``latency`` in seconds a hop."""
+    """One level of the network, per chip: ``bandwidth`` in bytes/s one way, ``latency`` in seconds a hop; ``tree``:
+    a collective takes ``log2 n`` hops, not a ring's ``n - 1`` (NCCL's trees and PAT across nodes, which it picks
+    where latency counts: the presets' ``inter`` links)."""
 
     bandwidth: float
     latency: float
+    tree: bool = False
 
     def axis_cost(self) -> AxisCost:
-        return AxisCost(latency_us=self.latency * 1e6, bandwidth_gbps=self.bandwidth / 1e9)
+        return AxisCost(latency_us=self.latency * 1e6, bandwidth_gbps=self.bandwidth / 1e9, tree=self.tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +107,7 @@ class Hardware:
         96
         """
         return cls._preset(dict(name="H100 SXM", flops=989e12, hbm_bytes=80 * 10**9, hbm_bandwidth=3.35e12,
-                                chips_per_node=8, intra=Link(450e9, 3e-6), inter=Link(50e9, 10e-6)), changes)
+                                chips_per_node=8, intra=Link(450e9, 3e-6), inter=Link(50e9, 10e-6, tree=True)), changes)
 
     @classmethod
     def a100(cls, **changes: Any) -> Hardware:
@@ -112,7 +115,7 @@ class Hardware:
         per GPU both ways; one 200 Gb/s HDR InfiniBand NIC per GPU (25 GB/s). Sources: NVIDIA A100 data sheet; DGX
         A100 user guide."""
         return cls._preset(dict(name="A100 SXM 80GB", flops=312e12, hbm_bytes=80 * 10**9, hbm_bandwidth=2.04e12,
-                                chips_per_node=8, intra=Link(300e9, 3e-6), inter=Link(25e9, 10e-6)), changes)
+                                chips_per_node=8, intra=Link(300e9, 3e-6), inter=Link(25e9, 10e-6, tree=True)), changes)
 
     @classmethod
     def tpu_v5p(cls, **changes: Any) -> Hardware:
@@ -121,7 +124,8 @@ class Hardware:
         between slices the data-center network, 200 Gb/s per host of 4 chips (6.25 GB/s a chip). Source: Cloud
         TPU documentation, "TPU v5p" system architecture."""
         return cls._preset(dict(name="TPU v5p", flops=459e12, hbm_bytes=95 * 10**9, hbm_bandwidth=2.765e12,
-                                chips_per_node=8960, intra=Link(600e9, 5e-6), inter=Link(6.25e9, 20e-6)), changes)
+                                chips_per_node=8960, intra=Link(600e9, 5e-6), inter=Link(6.25e9, 20e-6, tree=True)),
+                           changes)
 
     @classmethod
     def tpu_v6e(cls, **changes: Any) -> Hardware:
@@ -129,7 +133,8 @@ class Hardware:
         3,584 Gb/s per chip (448 GB/s, 2-D torus), 256 chips a pod (``intra``); between pods the data-center
         network, 100 Gb/s per chip (12.5 GB/s). Source: Cloud TPU documentation, "TPU v6e"."""
         return cls._preset(dict(name="TPU v6e", flops=918e12, hbm_bytes=32 * 10**9, hbm_bandwidth=1.64e12,
-                                chips_per_node=256, intra=Link(448e9, 5e-6), inter=Link(12.5e9, 20e-6)), changes)
+                                chips_per_node=256, intra=Link(448e9, 5e-6), inter=Link(12.5e9, 20e-6, tree=True)),
+                           changes)
 
     @classmethod
     def _preset(cls, fields: dict, changes: dict) -> Hardware:

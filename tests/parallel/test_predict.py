@@ -225,3 +225,18 @@ def test_zero_with_a_pipeline_is_refused_naming_both():
     ids = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
     with pytest.raises(ValueError, match=r"'zero' .* with a pipeline \('pp'\) is not supported yet"):
         predict(_make(), _loss, ids, ids, hardware=Hardware.h100(), roles={"zero": 2, "pp": 2, "tp": 2})
+
+
+def test_a_collective_across_nodes_takes_a_trees_hops_within_a_node_a_rings():
+    """Between nodes NCCL's trees (and PAT) take log2 n hops where latency counts, not a ring's n - 1: a gather over
+    2,048 nodes starts at 11 hops of the inter link's latency, not 2,047; inside a node, and on a measured machine,
+    a ring's."""
+    h100 = Hardware.h100()
+    mesh = jax.sharding.AbstractMesh((2048, 8), ("dp", "tp"))
+    costs = h100.costs(mesh)
+    launch = h100.launch * 1e6
+    assert costs.collective("all_gather", ("dp",), 2048, 0) == pytest.approx(launch + 11 * h100.inter.latency * 1e6)
+    assert costs.collective("all_reduce", ("dp",), 2048, 0) == pytest.approx(launch + 22 * h100.inter.latency * 1e6)
+    assert costs.collective("all_gather", ("tp",), 8, 0) == pytest.approx(launch + 7 * h100.intra.latency * 1e6)
+    ring = Hardware.h100(inter=Link(50e9, 10e-6)).costs(mesh)
+    assert ring.collective("all_gather", ("dp",), 2048, 0) == pytest.approx(launch + 2047 * 10.0)
