@@ -788,9 +788,264 @@ time_ax.set_ylabel("ms per step"); plt.tight_layout(); plt.show()
 assert mem_mb[-1] > mem_mb[0]'''),
 ]
 
+CLUSTERS = [
+    title("06_planning_a_cluster.ipynb",
+          "# jshard 6: planning a cluster\n"
+          "Llama 3 8B, 70B and 405B planned for 8 to 16,384 H100s and for TPU v5p, on no cluster at all: "
+          "`jshard.parallel.predict` prices one layout's training step (its step time, tokens per second, MFU and "
+          "memory per chip) and `autoplan` searches the layouts of a chip count, both on the model traced on shapes "
+          "alone and planned by the engine on an abstract mesh of the cluster's size (nothing is built, no device is "
+          "used: 405B on 16,384 chips costs seconds). The chips are the vendors' data sheets (`Hardware.h100()`, "
+          "`Hardware.tpu_v5p()`); the share of peak a matmul reaches and the share of the data axes' collectives "
+          "hidden behind compute are constants chosen, not yet fitted (`docs/design.md`, \"Clusters we cannot hold\"). "
+          "So the predicted MFU is drawn against chip count with the published runs on the same axes, and the gap "
+          "between them is printed, not hidden. Every cell asserts what it claims."),
+    ("code", INSTALL),
+    ("code", '''# nothing here runs on a device: each model is traced on shapes, its step planned on an abstract mesh
+import math
+import jax, jax.numpy as jnp, numpy as np
+import matplotlib.pyplot as plt
+from flax import nnx
+from jax.sharding import AbstractMesh
+from jshard.gpt import LLAMA3, cross_entropy, llama3
+from jshard.parallel import Hardware, autoplan, predict
+
+SEQ = 8192  # Llama 3's pre-training sequence
+loss_fn = lambda model, ids, labels: cross_entropy(model(ids), labels)
+models = {size: (lambda size=size: llama3(size, seq=SEQ, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)) for size in LLAMA3}
+batch = lambda rows: [jax.ShapeDtypeStruct((rows, SEQ), jnp.int32)] * 2  # ids and labels, at global shape
+h100, v5p = Hardware.h100(), Hardware.tpu_v5p()
+META = {"8b": 8_030_261_248, "70b": 70_553_706_496, "405b": 405_853_388_800}  # Meta's parameter counts
+for size, make in models.items():
+    params = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(nnx.eval_shape(make), nnx.Param)))
+    print(f"Llama 3 {size:>4}: {params:,} parameters, {LLAMA3[size]}")
+    assert params == META[size]
+for hw in (h100, v5p):
+    print(f"{hw.name}: {hw.flops / 1e12:.0f} TFLOP/s bf16, {hw.hbm_bytes / 1e9:.0f} GB HBM, {hw.chips_per_node:,} "
+          f"chips a node (intra {hw.intra.bandwidth / 1e9:.0f} GB/s a chip), inter "
+          f"{hw.inter.bandwidth / 1e9:.2f} GB/s")'''),
+    ("md", "## The published runs\n"
+           "The points the predictions are drawn against, each from its source:\n\n"
+           "- **Llama 3 405B**, Meta's pre-training on H100 80 GB (Dubey et al. 2024, \"The Llama 3 Herd of Models\", "
+           "Table 4): 8,192 GPUs as TP8 x PP16 x DP64, 430 TFLOP/s a GPU, 43% BF16 MFU; 16,384 GPUs as TP8 x PP16 x "
+           "DP128, 400 TFLOP/s, 41%; and 16,384 GPUs with context parallelism, TP8 x CP16 x PP16 x DP8 at sequence "
+           "131,072, 380 TFLOP/s, 38%. Each a batch of 16M tokens. The data-parallel sizes are the GPUs over the other "
+           "axes; that 16M is 2^24 tokens (2,048 sequences of 8,192, so 32 and 16 a data-parallel replica) is our "
+           "reading of the table, so the comparison keeps to its MFU figures.\n"
+           "- **Llama 3.1 8B**, torchtitan's benchmark (pytorch/torchtitan, "
+           "`benchmarks/llama3_h100_202412_torchtitan.md`, December 2024: bf16, no `torch.compile`, no Float8, "
+           "selective activation checkpointing, 2 sequences of 8,192 a GPU, H100 96 GB HBM2e at 500 W): FSDP on 8 "
+           "GPUs 5,762 tokens/s a GPU, on 128 GPUs 5,605. torchtitan publishes tokens per second; the MFU below "
+           "is ours, from the model's FLOPs a token.\n\n"
+           "MFU counts the model's FLOPs as the Llama 3 paper does (Megatron-LM's and torchtitan's convention): 6 a "
+           "matmul parameter a token, plus attention's scores and values at full length (12 x layers x dim x "
+           "sequence), recomputation not counted, over the chip's dense bf16 peak (989 TFLOP/s an H100). `predict` "
+           "counts them from the model's own forward pass; the cell checks its count against that formula. No "
+           "published Llama 3 run on TPU v5p is cited here: TPU v5p has predictions only."),
+    ("code", '''h100_96 = Hardware.h100(name="H100 SXM 96GB HBM2e 500W", hbm_bytes=96 * 2**30, hbm_bandwidth=2.4e12)
+titan = {gpus: predict(models["8b"], loss_fn, *batch(2 * gpus), hardware=h100_96, roles={"fsdp": gpus},
+                       remat="block") for gpus in (8, 128)}  # FSDP, 2 sequences a GPU, every block recomputed
+flops_per_token = titan[8].model_flops / (16 * SEQ)
+d, L, V = (LLAMA3["8b"][k] for k in ("dim", "layers", "vocab"))
+matmul_params = META["8b"] - V * d - (2 * L + 1) * d  # all but the embedding table and the norms' scales
+print(f"Llama 3 8B at sequence {SEQ:,}: {flops_per_token / 1e9:.2f} GFLOP a token = 6 x {matmul_params / 1e9:.3f}B "
+      f"matmul parameters + attention's {12 * L * d * SEQ / 1e9:.2f} GFLOP")
+assert math.isclose(flops_per_token, 6 * matmul_params + 12 * L * d * SEQ, rel_tol=1e-9)
+LLAMA_PAPER, TORCHTITAN = "Llama 3 paper, Table 4", "torchtitan, Dec 2024"
+published = [dict(model="405b", gpus=8192, layout="TP8 x PP16 x DP64", tflops=430, mfu=0.43, source=LLAMA_PAPER),
+             dict(model="405b", gpus=16384, layout="TP8 x PP16 x DP128", tflops=400, mfu=0.41, source=LLAMA_PAPER),
+             dict(model="405b", gpus=16384, layout="TP8 x CP16 x PP16 x DP8, seq 131,072", tflops=380, mfu=0.38,
+                  source=LLAMA_PAPER),
+             dict(model="8b", gpus=8, layout="FSDP8", tokens=5762, source=TORCHTITAN),
+             dict(model="8b", gpus=128, layout="FSDP128", tokens=5605, source=TORCHTITAN)]
+for row in published:
+    if "tokens" in row:  # torchtitan's tokens/s as MFU
+        row["mfu"] = row["tokens"] * flops_per_token / h100.flops
+    else:  # the paper's MFU is its TFLOP/s over the H100's peak
+        assert abs(row["tflops"] * 1e12 / h100.flops - row["mfu"]) < 0.01
+    figure = f"{row['tokens']:,} tokens/s a GPU" if "tokens" in row else f"{row['tflops']} TFLOP/s a GPU"
+    print(f"{row['source']:<23} {row['model']:>4} on {row['gpus']:>6,} H100s  {row['layout']:<38} {figure:<22} "
+          f"MFU {row['mfu']:.1%}")'''),
+    ("md", "## The published configurations, predicted\n"
+           "torchtitan's two runs as they ran (FSDP over all the GPUs; their selective checkpointing priced as every "
+           "block recomputed, the nearest `predict` offers, which recomputes more). Llama 3 405B's runs as near as "
+           "jshard prices them: its 126 layers do not split into 16 equal stages, and jshard's pipelines have equal "
+           "stages only, so 14 stages of 9 layers (`pp=14`) with the published TP8 (as `sp`: tensor parallelism with "
+           "the norms sequence parallel) and DP64 or DP128, on 7,168 and 14,336 GPUs, the published batch of 2,048 "
+           "sequences in microbatches of one sequence a replica. The predictor's known gaps are widest there "
+           "(`python benchmarks/published.py` prints the error on Megatron-LM's pipelined rows): a pipeline's data "
+           "axis has no `zero` role yet (the replicas hold the optimizer state whole), a stage keeps every layer's "
+           "residuals as its plan makes them (gathered copies included, where Megatron-LM gathers again), and its "
+           "memory is far over what the run held. The cell checks torchtitan's rows within a factor 1.5 (the "
+           "issue's target is 20%) and Llama 3's within a factor 3; the printed error is the figure to read."),
+    ("code", '''print(f"{'run':<46} {'published':>10} {'predicted':>10} {'error':>7} {'GiB a chip':>11}")
+for row in [r for r in published if "tokens" in r]:
+    p = titan[row["gpus"]]
+    error = p.tokens_per_s_per_chip / row["tokens"] - 1
+    print(f"{'8B ' + row['layout'] + ' (tokens/s a GPU)':<46} {row['tokens']:>10,} {p.tokens_per_s_per_chip:>10,.0f} "
+          f"{error:>+7.0%} {p.memory.total / 2**30:>5.1f} of {h100_96.hbm_bytes / 2**30:.0f}")
+    assert abs(error) < 0.5 and p.fits
+as_priced = {}
+for row, dp, micro in ((published[0], 64, 32), (published[1], 128, 16)):
+    p = predict(models["405b"], loss_fn, *batch(2048), hardware=h100, roles={"dp": dp, "pp": 14, "sp": 8},
+                microbatches=micro)
+    as_priced[row["gpus"]] = p
+    label = f"405B dp{dp} x pp14 x sp8, {p.chips:,} GPUs (MFU)"
+    print(f"{label:<46} {row['mfu']:>10.1%} {p.mfu:>10.1%} {p.mfu / row['mfu'] - 1:>+7.0%} "
+          f"{p.memory.total / 2**30:>5.0f} of {h100.hbm_bytes / 2**30:.0f}")
+    assert 1 / 3 < p.mfu / row["mfu"] < 3 and p.chips == dp * 14 * 8
+print(as_priced[8192].explain())'''),
+    ("md", "## MFU against chip count\n"
+           "Each model on 8 to 16,384 H100s and on TPU v5p up to 8,192 chips (a v5p pod holds 8,960, one ICI domain), "
+           "in layouts fixed by rule, those autoplan chose at most of the points it was tried on (a search at every "
+           "point would cost minutes; it runs at two of them below):\n\n"
+           "- the batch grows with the chips, 2 sequences of 8,192 a chip for 8B (torchtitan's) and one sequence "
+           "per 8 chips for 70B and 405B (Llama 3 405B's 16M-token batch on 16,384 GPUs is one per 8), up to "
+           "Llama 3's 2,048 sequences (16M tokens); past that the work a chip gets shrinks as the chips grow;\n"
+           "- 8B: FSDP over a node's 8 chips, data parallel across nodes (HSDP), adding `sp=8` once there are more "
+           "chips than sequences; 70B: `sp=8` inside a node, FSDP over 16 nodes, data parallel across them; 405B: "
+           "`sp=8` inside a node, FSDP over all the nodes (autoplan, below, also tries HSDP and pipelines);\n"
+           "- every block recomputed in the backward pass (`remat=\"block\"`), as autoplan chooses at these "
+           "batches.\n\n"
+           "The tensor axis is innermost, so on H100 it stays inside a node (checked with `Hardware.level`, which "
+           "says the link an axis runs on). No pipeline: 405B's 126 layers split into 2 equal stages at most on a "
+           "power-of-two count of chips, and pipelined layouts are where the prediction is furthest off (above)."),
+    ("code", '''def layout(size, chips):
+    """The batch (sequences of SEQ) and the roles (outermost first) of `size` on `chips` chips."""
+    rows = min(2 * chips, 2048) if size == "8b" else min(chips // 8, 2048)
+    sp = 1 if size == "8b" and rows >= chips else 8
+    fsdp = min({"8b": 8, "70b": 16, "405b": chips}[size], chips // sp)
+    roles = {"dp": chips // (sp * fsdp), "fsdp": fsdp, "sp": sp}
+    return rows, {role: n for role, n in roles.items() if n > 1}
+
+
+SWEEP = {h100: {"8b": [8, 64, 512, 4096, 16384], "70b": [64, 512, 4096, 16384], "405b": [2048, 4096, 8192, 16384]},
+         v5p: {"8b": [64, 512, 4096], "70b": [64, 512, 4096], "405b": [2048, 8192]}}
+sweep = {}
+print(f"{'':<9} {'model':>5} {'chips':>7}  {'layout':<18} {'rows':>5} {'MFU':>6} {'tokens/s':>9} {'step s':>7}  "
+      "GiB a chip")
+for hw, sizes in SWEEP.items():
+    for size, counts in sizes.items():
+        for chips in counts:
+            rows, roles = layout(size, chips)
+            p = sweep[hw.name, size, chips] = predict(models[size], loss_fn, *batch(rows), hardware=hw, roles=roles,
+                                                      remat="block")
+            name = "x".join(f"{role}{n}" for role, n in roles.items())
+            print(f"{hw.name:<9} {size:>5} {chips:>7,}  {name:<18} {rows:>5} {p.mfu:>6.1%} "
+                  f"{p.tokens_per_s_per_chip:>9,.0f} {p.step_s:>7.2f}  {p.memory.total / 2**30:5.1f} of "
+                  f"{hw.hbm_bytes / 2**30:.0f}{'' if p.fits else ' (over)'}")
+            mesh = AbstractMesh(tuple(roles.values()), tuple(roles))
+            assert p.chips == chips and 0 < p.mfu < 1
+            assert "sp" not in roles or hw.level(mesh, "sp") == "intra"  # the tensor axis inside a node
+            assert size == "405b" or p.fits  # 405B is at the edge of the HBM: printed, drawn hollow when over
+mfu = lambda hw, size, chips: sweep[hw.name, size, chips].mfu
+# the batch grows with the chips: with FSDP inside a node, 8B holds its MFU from 8 to 512 H100s
+assert mfu(h100, "8b", 512) > 0.9 * mfu(h100, "8b", 8)
+# past 2,048 sequences it does not: each chip's share of the step shrinks, its collectives do not
+assert mfu(h100, "8b", 16384) < mfu(h100, "8b", 4096)
+# 405B's FSDP spans every node: its gathers cross more of them the more chips there are
+assert all(mfu(h100, "405b", a) > mfu(h100, "405b", b) for a, b in zip([2048, 4096, 8192], [4096, 8192, 16384]))
+# a v5p pod is one ICI domain: none of its collectives leaves it, where every H100 layout past a node crosses NICs
+assert all(p.comm_s["inter"] == 0 for (hw, _, _), p in sweep.items() if hw == v5p.name)
+assert all(p.comm_s["inter"] > 0 for (hw, _, chips), p in sweep.items() if hw == h100.name and chips > 8)
+for size, counts in SWEEP[v5p].items():
+    print(f"{size} on {counts[-1]:,} chips: TPU v5p {mfu(v5p, size, counts[-1]):.1%}, H100 "
+          f"{mfu(h100, size, counts[-1]):.1%}")'''),
+    ("md", "Left: predicted MFU against chips (solid H100, dashed TPU v5p; a hollow marker is a step predicted over "
+           "its chip's HBM), with the published runs: stars Llama 3 405B's, diamonds torchtitan's 8B, crosses Llama "
+           "3's layouts as `predict` prices them (pp=14, above). Right: predicted memory a chip against each chip's "
+           "HBM (the same layout holds the same bytes on either chip, so the dashed lines lie under the solid)."),
+    ("code", '''from matplotlib.lines import Line2D
+from matplotlib.ticker import PercentFormatter
+colors = {"8b": "tab:blue", "70b": "tab:orange", "405b": "tab:green"}
+fig, (mfu_ax, mem_ax) = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw={"width_ratios": [3, 2]})
+for hw, line in ((h100, "-"), (v5p, "--")):
+    for size, counts in SWEEP[hw].items():
+        ps = [sweep[hw.name, size, c] for c in counts]
+        mfu_ax.plot(counts, [p.mfu for p in ps], line, color=colors[size])
+        mfu_ax.scatter(counts, [p.mfu for p in ps], color=[colors[size] if p.fits else "white" for p in ps],
+                       edgecolors=colors[size], zorder=3)
+        mem_ax.plot(counts, [p.memory.total / 2**30 for p in ps], line, marker="o", color=colors[size])
+    mem_ax.axhline(hw.hbm_bytes / 2**30, ls=line, color="gray", lw=1, label=f"{hw.name} HBM")
+for row in published:
+    mfu_ax.scatter(row["gpus"], row["mfu"], marker="*" if row["source"] == LLAMA_PAPER else "D",
+                   s=200 if row["source"] == LLAMA_PAPER else 70, color=colors[row["model"]], edgecolors="black",
+                   zorder=4)
+for p in as_priced.values():
+    mfu_ax.scatter(p.chips, p.mfu, marker="X", s=90, color=colors["405b"], edgecolors="black", zorder=4)
+mfu_ax.annotate("CP16, seq 131,072", (16384, 0.38), xytext=(6, -14), textcoords="offset points", fontsize=7)
+ticks = [8, 64, 512, 4096, 16384]
+for ax in (mfu_ax, mem_ax):
+    ax.set_xscale("log", base=2); ax.set_xticks(ticks, [f"{t:,}" for t in ticks]); ax.set_xlabel("chips")
+mfu_ax.yaxis.set_major_formatter(PercentFormatter(1.0)); mfu_ax.set_ylabel("MFU"); mfu_ax.set_ylim(0, 0.6)
+mem_ax.set_ylabel("predicted GiB a chip"); mem_ax.legend(fontsize=7, loc="lower left")
+handles = [Line2D([], [], color=c, label=f"Llama 3 {s.upper()}") for s, c in colors.items()]
+handles += [Line2D([], [], color="black", ls="-", label="H100 (predicted)"),
+            Line2D([], [], color="black", ls="--", label="TPU v5p (predicted)"),
+            Line2D([], [], marker="*", ls="", color="gray", markeredgecolor="black", ms=12,
+                   label="Llama 3 paper (published)"),
+            Line2D([], [], marker="D", ls="", color="gray", markeredgecolor="black", label="torchtitan (published)"),
+            Line2D([], [], marker="X", ls="", color="gray", markeredgecolor="black", ms=9,
+                   label="Llama 3's layouts, predicted")]
+mfu_ax.legend(handles=handles, fontsize=7, ncol=2, loc="upper right")
+plt.tight_layout(); plt.show()
+assert len(mfu_ax.collections) == sum(map(len, SWEEP.values())) + len(published) + len(as_priced)  # every point'''),
+    ("md", "## What autoplan chooses\n"
+           "`autoplan(make, chips, loss_fn, *batch, hardware=)` searches the layouts of a chip count: the data "
+           "axis (FSDP, data parallel where the state fits a chip, HSDP), a pipeline over a divisor of the layers, "
+           "the tensor axis inside a node, and blocks recomputed where a step is over the chip's HBM; it returns the "
+           "fastest predicted to fit, with `explain()` saying why it beats the runners-up. On 8 H100s for 8B (the "
+           "batch of torchtitan's run) and on 16,384 for 405B (Llama 3's batch): each plan fits its chip, keeps its "
+           "tensor axis inside a node, and is at least as fast as the layout the sweep gave that point, which is "
+           "one of the candidates it priced. Where none fits, autoplan says so and names the smallest."),
+    ("code", '''plans = {}
+for size, chips in (("8b", 8), ("405b", 16384)):
+    rows, _ = layout(size, chips)
+    try:
+        plan = plans[size] = autoplan(models[size], chips, loss_fn, *batch(rows), hardware=h100)
+    except ValueError as e:  # no layout predicted to fit: autoplan names the smallest
+        assert "no plan fits" in str(e)
+        print(f"{size} on {chips:,} H100s: {e}")
+        continue
+    print(plan.explain(), "\\n")
+    mesh = AbstractMesh(plan.mesh_shape, plan.axis_names)
+    tensor = [a for a in plan.axis_names if plan.roles[a] in ("sp", "tp")]
+    assert plan.memory.total <= h100.hbm_bytes and all(h100.level(mesh, a) == "intra" for a in tensor)
+    assert math.prod(plan.mesh_shape) == chips and plan.mfu >= sweep[h100.name, size, chips].mfu * (1 - 1e-9)
+assert plans  # at least one searched'''),
+    ("md", "## Reading the gaps\n"
+           "Where the predictions sit under the published points, the cells above say why:\n\n"
+           "- **Collectives over thousands of chips.** Across nodes the cost model takes a tree's `log2 n` hops "
+           "(NCCL's trees and PAT, which it picks where latency counts) at a ring's bandwidth, so a parameter gather "
+           "over 2,048 data replicas starts at 11 hops of 10 µs, not 2,047; a 405B step still runs one for every "
+           "weight of each of its 126 layers in each pass, and the cell below prints how much of the step is "
+           "inter-node collectives.\n"
+           "- **Pipelines.** Llama 3 trained 405B with 16 pipeline stages; jshard prices equal stages only and its "
+           "pipelined predictions are the furthest from Megatron-LM's published rows (`python "
+           "benchmarks/published.py` prints by how much), their memory far over what those runs held.\n"
+           "- **Constants and checkpointing.** The share of peak a matmul reaches and the share of the data axes' "
+           "collectives hidden behind compute are chosen, not fitted (printed below), and torchtitan keeps its "
+           "matmuls' outputs where `predict` recomputes whole blocks: the error on torchtitan's rows is theirs as "
+           "much as the model's.\n\n"
+           "TPU v5p runs all of a pod's 8,960 chips on one ICI domain, so its predictions keep more of their MFU "
+           "as the chips grow; what a real v5p reaches is not checked here."),
+    ("code", '''p = sweep[h100.name, "405b", 16384]
+hops = math.ceil(math.log2(p.roles["fsdp"])) * h100.inter.latency
+print(f"405B on 16,384 H100s ({'x'.join(f'{r}{n}' for r, n in p.roles.items())}): step {p.step_s:.1f} s, compute "
+      f"{p.compute_s:.1f} s, inter-node collectives {p.comm_s['inter']:.1f} s ({p.hidden_s:.1f} s hidden); one "
+      f"gather over {p.roles['fsdp']:,} replicas starts at {hops * 1e6:.0f} µs of hops")
+assert p.step_s >= p.compute_s and p.comm_s["inter"] > 0  # the collectives not hidden add to the chips' time
+for hw in (h100, v5p):
+    best = max((k for k in sweep if k[0] == hw.name), key=lambda k: sweep[k].mfu)
+    print(f"{hw.name}: best predicted MFU {sweep[best].mfu:.1%} ({best[1]} on {best[2]:,} chips)")
+    assert sweep[best].mfu < hw.efficiency  # never above the share of peak a matmul is priced at
+print(f"chosen constants: matmuls at {h100.efficiency:.0%} of peak, {h100.overlap:.0%} of the data axes' "
+      "collectives hidden behind compute")'''),
+]
+
 NOTEBOOKS = {"01_placements.ipynb": PLACEMENTS, "02_flax_tensor_parallel.ipynb": FLAX,
              "03_large_models_and_checkpoints.ipynb": LARGE, "04_long_context_and_deep_models.ipynb": LONG,
-             "05_mixture_of_experts.ipynb": EXPERTS}
+             "05_mixture_of_experts.ipynb": EXPERTS, "06_planning_a_cluster.ipynb": CLUSTERS}
 
 
 def notebook(cells) -> dict:

@@ -90,6 +90,11 @@ def predict(make: Callable[[], nnx.Module], loss_fn: Callable, *batch: Any, hard
         raise ValueError(f"predict: roles {roles} pipeline the model over pp={roles['pp']} stages, which needs a list "
                          f"of identical blocks whose count the stages divide; {type(model).__name__} has "
                          f"{'none' if blocks is None else f'{depth} blocks'}")
+    rows, data = batch[0].shape[0] if batch[0].shape else 1, math.prod(n for r, n in roles.items() if r in BATCH_ROLES)
+    if "pp" in styles and microbatches is None and pipeline_microbatches(roles["pp"], rows, data) is None:
+        raise ValueError(f"predict: roles {roles} pipeline the batch's {rows} rows over pp={roles['pp']} stages, and "
+                         f"neither {2 * roles['pp']} nor {roles['pp']} microbatches of rows split over the data axes "
+                         f"({data} ways); pass microbatches= (a count dividing the rows into multiples of {data})")
     plan = price(model, blocks, mesh, axis_roles, tensor, loss_fn, batch, tx, hardware, {},
                  microbatches=microbatches, remat=remat == "block")
     flops = model_flops(model, blocks, loss_fn, batch)
@@ -249,10 +254,6 @@ def _checked(make, loss_fn, batch, hardware, roles, tx, microbatches, remat):
         raise ValueError(f"predict: the batch's {rows} rows do not split over the data axes ({data} ways"
                          + (f", in each of {microbatches} microbatches" if microbatches else "")
                          + f") of roles {roles}; make the batch a multiple of {data * (microbatches or 1)}")
-    if "pp" in roles and microbatches is None and pipeline_microbatches(roles["pp"], rows, data) is None:
-        raise ValueError(f"predict: roles {roles} pipeline the batch's {rows} rows over pp={roles['pp']} stages, and "
-                         f"neither {2 * roles['pp']} nor {roles['pp']} microbatches of rows split over the data axes "
-                         f"({data} ways); pass microbatches= (a count dividing the rows into multiples of {data})")
     if tx is not None:
         check_tx(tx, "predict")
     tx = optax.adamw(1e-3) if tx is None else tx

@@ -127,7 +127,9 @@ def price(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, hardware: Hard
     scoped = None if stages else blocks
     cut = depth if stages else min(depth, 2)
     if ("cut", scoped, cut, remat) not in traces:  # cutting a deep model costs more than copying the cut one
-        traces["cut", scoped, cut, remat] = nnx.split(cut_model(model, scoped, cut, remat))
+        # a pipeline's blocks whole and alike (no scope), each under remat where asked
+        path = blocks if not stages or remat else None
+        traces["cut", scoped, cut, remat] = nnx.split(cut_model(model, path, cut, remat, scope=not stages))
     small = nnx.merge(*traces["cut", scoped, cut, remat], copy=True)  # a copy: parallelize_shapes changes it
     with axis_aliases(names):  # a jshard.constrain dict in the loss names the user's axes
         total, block = _figures(small, scoped, cut, depth - cut, canonical, plan, default, loss_fn,
@@ -404,10 +406,9 @@ def _peak(plan: JaxprPlan, ours: dict[int, str], fused: frozenset) -> Callable[[
     """The most bytes a device holds at once in the intermediates (not the inputs) of the plan of a model cut
     short, as a function of how many blocks like its last the model has ``more``: each value from its equation to
     its last use, a moved operand's copy while its consumer runs (``fused``: values never written). The values
-    every block holds at once are held ``more`` times more: the block's gradients and updates (``ours``' ``"own"``
-    made outside the backward pass: the values of its backward pass that feed them are freed block by block) and
-    its forward pass's values that its backward pass reads (its activations). One walk: at each equation the bytes
-    held are ``base + more * extra``."""
+    every block holds at once are held ``more`` times more: the block's gradients and updates (``ours``' ``"own"``),
+    its forward pass's values that a backward pass reads (its activations) and its input where its forward pass and
+    a backward pass read it. One walk: at each equation the bytes held are ``base + more * extra``."""
     last, users = {}, {}
     for i, eq in enumerate(plan.equations):
         for op in eq.operands:
@@ -420,19 +421,19 @@ def _peak(plan: JaxprPlan, ours: dict[int, str], fused: frozenset) -> Callable[[
         kind = ours.get(id(eq))
         for o, spec in zip(eq.outs or (), eq.choice.outs, strict=True):
             if o is not None and o not in fused:
-                # held once per block: its gradient and update (not the backward pass's values that feed them,
-                # each freed as the next is made) and the values its backward pass reads of its forward pass and
-                # of its input (all a block under remat keeps)
-                read = {ours.get(id(u)) for u in users.get(o, ())}
-                kept = ((kind == "own" and not _backward(eq)) or (kind == "forward" and "backward" in read)
-                        or (kind is None and {"forward", "backward"} <= read))
+                # held once per block: its gradients and updates, and what a backward pass reads of its forward
+                # pass and of its input (all a block under remat keeps)
+                readers = users.get(o, ())
+                backward = any(map(_backward, readers))
+                kept = (kind == "own" or (kind == "forward" and backward)
+                        or (kind is None and backward and any(ours.get(id(u)) == "forward" for u in readers)))
                 size[o] = (spec.local_bytes, spec.local_bytes if kept else 0)
                 live[0] += size[o][0]
                 live[1] += size[o][1]
         moved = sum(t.local_bytes for op, t in zip(eq.operands, eq.choice.ins, strict=True)
                     if isinstance(op.move, MovePlan) and op.move.steps)
         held = _pipeline_held(eq) if eq.eqn.primitive.name == "jshard_pipeline" else 0
-        points.add((live[0] + moved + held, live[1]))
+        points.add((live[0] + moved + held, live[1]))  # a moved copy lives while its consumer runs: once
         for op in eq.operands:
             if not op.literal and last.get(op.value) == i and op.value in size and op.value not in ends:
                 base, extra = size.pop(op.value)

@@ -239,18 +239,19 @@ def module_at(model, path):
     return node
 
 
-def cut_model(model: nnx.Module, path: tuple | None, depth: int, remat: bool = False) -> nnx.Module:
+def cut_model(model: nnx.Module, path: tuple | None, depth: int, remat: bool = False,
+              scope: bool = True) -> nnx.Module:
     """A copy of the abstract ``model`` whose block list at ``path`` keeps its first ``depth`` blocks, the last
-    called inside ``jax.named_scope(BLOCK_SCOPE)`` (so the equations of its forward and backward passes say so);
-    ``remat``: every block's activations recomputed in the backward pass (``jax.checkpoint`` around each call: what
-    the step keeps of a block is its input)."""
+    called inside ``jax.named_scope(BLOCK_SCOPE)`` unless not ``scope`` (so the equations of its forward and
+    backward passes say so; a pipeline's blocks stay alike); ``remat``: every block's activations recomputed in the
+    backward pass (``jax.checkpoint`` around each call: what the step keeps of a block is its input)."""
     graphdef, state = nnx.split(model)
     copy = nnx.merge(graphdef, state, copy=True)
     if path is not None:
         parent = module_at(copy, path[:-1])
         kept = list(getattr(parent, path[-1]))[:depth]
         for i, block in enumerate(kept):
-            block.__class__ = _scoped(type(block), scope=i == len(kept) - 1, remat=remat)
+            block.__class__ = _scoped(type(block), scope=scope and i == len(kept) - 1, remat=remat)
         setattr(parent, path[-1], nnx.List(kept))
     return copy
 

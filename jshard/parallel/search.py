@@ -229,9 +229,10 @@ def _autoplan_chips(make, chips, loss_fn, batch, tx, budget, styles, runners_up,
     candidates = _factorings(model, chips, styles, batch, _depth(model, blocks), hardware,
                              _expert_count(model) if experts else 0)
     priced, rejected = _priced(model, blocks, tensor, loss_fn, batch, tx, hardware, candidates)
-    if blocks is not None:  # those over the budget again, their blocks recomputing (not yet a pipeline's)
-        again = [(AbstractMesh(p.mesh_shape, p.axis_names), p.roles, {"remat": True}) for p in priced
-                 if "pp" not in p.roles.values() and p.memory.total > budget]
+    if blocks is not None:  # those over the budget again, their blocks recomputing
+        again = [(AbstractMesh(p.mesh_shape, p.axis_names), p.roles,
+                  {"remat": True, "microbatches": p.detail["microbatches"]}) for p in priced
+                 if p.memory.total > budget]
         more, refused = _priced(model, blocks, tensor, loss_fn, batch, tx, hardware, again)
         priced, rejected = priced + more, rejected + refused
     if not priced:

@@ -106,6 +106,8 @@ def test_the_presets_and_their_overrides():
     (dict(roles={"ep": 2}), ValueError, "no mixture of experts"),
     (dict(roles={"dp": 2}, remat="full"), ValueError, "remat is one of"),
     (dict(roles={"dp": 2}, microbatches=4), ValueError, "with a 'pp' role"),
+    (dict(roles={"dp": 16, "pp": 2}), ValueError, "neither 4 nor 2 microbatches of rows split over the data axes "
+                                                  "\\(16 ways\\); pass microbatches="),
     (dict(roles={"dp": 2}, hardware="h100"), TypeError, "hardware must be a jshard.parallel.Hardware"),
 ])
 def test_bad_configurations_are_refused_by_name(kwargs, error, words):

@@ -30,4 +30,4 @@ def test_a_row_prices_into_the_tables_figures():
     row = bench.measure(next(r for r in bench.runs() if r.name == "megatron-1.7b"))
     assert row["chips"] == 48 and row["figure"] == "MFU" and 0 < row["predicted"] < 1
     assert row["error"] == pytest.approx((row["predicted"] - 0.41) / 0.41)
-    assert row["step_s"] > 0 and row["memory_gib"] > 0 and "fsdp=48 on 48 x H100 SXM" in row["explain"]
+    assert row["step_s"] > 0 and row["memory_gib"] > 0 and "zero=48 on 48 x H100 SXM" in row["explain"]
