@@ -8,9 +8,10 @@ moves it to one spec, its producer is asked to produce that spec directly when t
 the reduction its consumers would make: a transpose, an add that would mask a bias into pending sums). A third
 looks past one equation: where an equation moves an input with a collective, or a consumer moves its output with
 one, its other strategies are tried with the change rippled through its consumers, and the cheapest is kept where
-the program's moves cost less and send no more bytes. A fourth makes a value that a consumer slices sliced from
-the start, where the moves that adds cost less than writing the bytes it saves. Then each operand's move is planned (``jshard.planner``), dead equations are
-dropped, and a value moved to the same spec for several consumers moves once.
+the program's moves cost less and send no more bytes. A fourth makes a value that a consumer slices sliced from the
+start, where the moves that adds cost less than writing the bytes it saves. Then each operand's move is planned
+(``jshard.planner``), dead equations are dropped, and a value moved to the same spec for several consumers moves
+once.
 
 The result is a ``JaxprPlan``: per equation (``EquationPlan``) the operands with their moves, the chosen
 strategy and, for control flow, the local loop or switch. ``jshard.engine.kernel`` turns it into code.
