@@ -39,9 +39,9 @@ ticks) plus the step's fixed costs (optimizer, gradient reductions, dispatch); i
 busy stages' work and wall time follows the total work, not the critical path: there the fit measures the fixed
 costs, not the bubble. And the peak memory's growth per microbatch, in activation blocks ``A``: what grows with
 the global batch outside the pipeline (the embeddings' output and its gradient, ``2A`` per microbatch) plus the
-pipeline's buffers (``3A`` per buffer slot: the stash and the two inboxes), whose slots grow with ``m`` for GPipe
-and stop growing for 1F1B at ``2(p - 1) + 1`` (interleaved: per chunk, at ``2p``); target: 1F1B's in-pipeline
-part flat.
+pipeline's buffers (per buffer slot ``2A``, the two inboxes, and the residuals its layers keep for their backward
+units), whose slots grow with ``m`` for GPipe and stop growing for 1F1B at ``2(p - 1) + 1`` (interleaved: per
+chunk, at ``2p``); target: 1F1B's in-pipeline part flat.
 
     python benchmarks/pipeline.py [--configs pp4xdp2,pp2xtp4] [--microbatches 4,8,16]
                                   [--schedules gpipe,1f1b,interleaved] [--steps 3] [--layers 8] [--dim 128]
@@ -433,12 +433,10 @@ def _comparisons(side: _Side, theirs: dict[str, _Side], alone: _Side, n_terms: i
 def _tick_model(row: dict) -> float:
     """The FLOPs count's model, over the unpipelined step's: every tick runs a forward unit and a backward unit (the
     conditionals' every branch counts), a unit being one chunk's layers on one microbatch, against the 3 forwards'
-    work (forward, and the gradient's 2) of the ``v * m`` units a device has. A backward unit costs 4 forwards:
-    the chunk's forward run again to rebuild its layers' inputs, once more inside each layer's vjp, and the
-    gradient's 2; 3 with one layer a chunk (its input is the stash, so XLA drops the rebuild)."""
-    p, v, m = row["mesh"]["pp"], row["virtual_stages"], row["microbatches"]
-    backward = 4 if row["model"]["layers"] // (p * v) > 1 else 3
-    return round(row["ticks"] * (1 + backward) / (3 * v * m), 3)
+    work (forward, and the gradient's 2) of the ``v * m`` units a device has. A backward unit costs the gradient's
+    2 forwards: it reads the residuals its forward unit kept, never running the forward again."""
+    v, m = row["virtual_stages"], row["microbatches"]
+    return round(row["ticks"] * 3 / (3 * v * m), 3)
 
 
 def across_microbatches(rows: list[dict]) -> list[dict]:

@@ -342,7 +342,8 @@ def _look_ahead(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh
         if not _choosable(eq):
             continue
         specs = _operand_specs(eq, env, mesh)
-        if not _communicating(specs, eq.choice.ins) and not _output_moved(equations, users, pins, env, eq):
+        moving_in = _communicating(specs, eq.choice.ins)
+        if not moving_in and not _output_moved(equations, users, pins, env, eq):
             continue
         best = None
         for alt in alternatives(eq.eqn.primitive, eq.eqn.params, specs, [o.aval for o in eq.eqn.outvars],
@@ -353,8 +354,10 @@ def _look_ahead(equations: list[EquationPlan], outs: list, env: dict, mesh: Mesh
             if trial is None:
                 continue
             (cost, sent), (was, sent_before) = _trial_moves(equations, users, env, mesh, pins, trial)
-            # cheaper, and never by trading a few small reductions' latency for more bytes moved; the cheapest
-            if cost < was - 1e-9 and sent <= sent_before and (best is None or cost < best[0] - 1e-9):
+            # cheaper, and never by trading a few small reductions' latency for more bytes moved (where only an
+            # output's move asked, for fewer: a small sum's all-reduce is not traded for gathering what it sums)
+            fewer = sent <= sent_before if moving_in else sent < sent_before
+            if cost < was - 1e-9 and fewer and (best is None or cost < best[0] - 1e-9):
                 best = cost, trial
         if best is not None:
             _apply(equations, env, best[1])
