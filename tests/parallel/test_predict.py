@@ -191,7 +191,8 @@ def test_units_declare_the_flops_pricing_counts():
     assert 1.0 <= p.plan.detail["flops"] / p.model_flops <= 1.5, (p.plan.detail["flops"], p.model_flops)
 
 
-@pytest.mark.parametrize("shape", [(8,), (2, 4), (1,)], ids=["8", "2x4", "one-device"])
+@pytest.mark.parametrize("shape", [pytest.param((8,), marks=pytest.mark.slow), (2, 4), (1,)],
+                         ids=["8", "2x4", "one-device"])
 def test_the_zero_role_gathers_each_parameter_once_a_step_and_trains_like_one_device(shape):
     """``"zero"`` (Megatron-LM's distributed optimizer): parameters and optimizer state sharded over the data axis,
     each parameter gathered once a step as the whole model is called (not once per use: the backward pass reads the
