@@ -73,13 +73,15 @@ source_info_util.register_exclusion(os.path.abspath(__file__))
 
 
 def pipeline_value_and_grad(layer: Callable, tail: Callable, stacked: Any, other: Any, x0: Any, side: Any, *,
-                            axis: str, schedule: str = "1f1b", virtual_stages: int = 1) -> tuple[Any, tuple]:
+                            axis: str, schedule: str = "1f1b", virtual_stages: int = 1,
+                            remat: bool = False) -> tuple[Any, tuple]:
     """``(loss, (d stacked, d other, d x0))``: the mean over microbatches of the pipeline's loss, and its gradients.
 
     ``layer(layer_params, x) -> y`` is one layer (``layer_params`` shaped like ``stacked`` without its leading
     dim; ``y`` like ``x``); ``tail(other, x, *side_i) -> loss`` takes the last layer's output of microbatch ``i``;
     ``x0`` stacks the microbatches' inputs ``[m, ...]`` and ``side`` (a tuple of arrays ``[m, ...]``) what the
-    tail reads of each. Call it inside ``jshard.jit`` (or ``TrainStep``); see the module's docstring.
+    tail reads of each; ``remat``: each layer keeps its input alone and runs its forward again in its backward
+    unit (``jax.checkpoint``). Call it inside ``jshard.jit`` (or ``TrainStep``); see the module's docstring.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline: schedule={schedule!r} is not one of {', '.join(map(repr, SCHEDULES))}")
@@ -110,7 +112,7 @@ def pipeline_value_and_grad(layer: Callable, tail: Callable, stacked: Any, other
         return y
 
     def saving(lp, x):  # the layer's output and what its backward reads: the vjp's residuals
-        y, pull = jax.vjp(forward, lp, x)
+        y, pull = jax.vjp(jax.checkpoint(forward) if remat else forward, lp, x)
         res, saved["tree"] = jax.tree.flatten(pull)
         return (y, *res)
 

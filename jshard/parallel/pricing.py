@@ -117,7 +117,8 @@ def price(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, hardware: Hard
                              if stages else None)
     rates = Rates(hardware, canonical, canonical_roles)
     cast = compute_dtype(model)
-    plan, default = styles_of(canonical_roles, tensor, blocks, micro, pricing=True, param_dtype=cast)
+    plan, default = styles_of(canonical_roles, tensor, blocks, micro, pricing=True, param_dtype=cast,
+                              remat=remat and bool(stages))
     placements = batch_placements(canonical, canonical_roles, batch)
     shape = (tuple(sorted((a, TRACED_AS.get(r, r)) for a, r in canonical_roles.items())),
              tuple(canonical.shape[a] for a, r in canonical_roles.items() if r in ("cp", "pp")),  # traced by size
@@ -127,9 +128,8 @@ def price(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, hardware: Hard
     scoped = None if stages else blocks
     cut = depth if stages else min(depth, 2)
     if ("cut", scoped, cut, remat) not in traces:  # cutting a deep model costs more than copying the cut one
-        # a pipeline's blocks whole and alike (no scope), each under remat where asked
-        path = blocks if not stages or remat else None
-        traces["cut", scoped, cut, remat] = nnx.split(cut_model(model, path, cut, remat, scope=not stages))
+        # a pipeline's layers recompute by its style's remat, its blocks kept alike
+        traces["cut", scoped, cut, remat] = nnx.split(cut_model(model, scoped, cut, remat and not stages))
     small = nnx.merge(*traces["cut", scoped, cut, remat], copy=True)  # a copy: parallelize_shapes changes it
     with axis_aliases(names):  # a jshard.constrain dict in the loss names the user's axes
         total, block = _figures(small, scoped, cut, depth - cut, canonical, plan, default, loss_fn,
@@ -139,7 +139,7 @@ def price(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, hardware: Hard
     compute_us = (total["flops"] / rates.flops_per_us + total["written"] / rates.bytes_per_us
                   + total["pipeline_us"])
     hidden = hardware.overlap * min(total["data_us"], compute_us)  # the data axes' collectives behind compute
-    plan, default = styles_of(roles, tensor, blocks, micro, param_dtype=cast)
+    plan, default = styles_of(roles, tensor, blocks, micro, param_dtype=cast, remat=remat and bool(stages))
     return Plan(roles=dict(roles), styles=plan, default=default, batch=batch_placements(mesh, roles, batch),
                 step_us=compute_us + total["comm_us"] - hidden, bytes_moved=int(total["bytes"]),
                 memory=memory_of(total, total["temps"]),

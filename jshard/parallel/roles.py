@@ -61,10 +61,12 @@ def pipeline_microbatches(stages: int, rows: int, data: int) -> int | None:
 
 
 def styles_of(roles: dict[str, str], tensor: dict, blocks: tuple | None = None,
-              microbatches: int | None = None, pricing: bool = False, param_dtype=None) -> tuple[dict, tuple]:
+              microbatches: int | None = None, pricing: bool = False, param_dtype=None,
+              remat: bool = False) -> tuple[dict, tuple]:
     """``(plan, default)`` for ``parallelize`` from a role assignment (a pipeline runs the blocks at ``blocks`` as
-    ``microbatches`` microbatches; FSDP gathers parameters in ``param_dtype``, the model's compute dtype); to price
-    it (``pricing``), a data-parallel axis gathers its parameters, whole already, as an FSDP one does (``_Whole``)."""
+    ``microbatches`` microbatches, recomputing each layer's forward where ``remat``; FSDP gathers parameters in
+    ``param_dtype``, the model's compute dtype); to price it (``pricing``), a data-parallel axis gathers its
+    parameters, whole already, as an FSDP one does (``_Whole``)."""
     default = tuple((FullyShard if r == "fsdp" else _Whole)(a, param_dtype=param_dtype) for a, r in roles.items()
                     if r == "fsdp" or (pricing and r == "dp"))
     if {"zero", "pp"} <= set(roles.values()):
@@ -78,7 +80,8 @@ def styles_of(roles: dict[str, str], tensor: dict, blocks: tuple | None = None,
         if role == "zero":  # the whole model one unit: its parameters gathered once a step, where it is called
             plan[""] = (*plan.get("", ()), FullyShard(axis, param_dtype=param_dtype))
         if role == "pp":
-            plan[module_key(blocks, any_index=True)] = (PipelineParallel(axis, microbatches=microbatches),)
+            plan[module_key(blocks, any_index=True)] = (PipelineParallel(axis, microbatches=microbatches,
+                                                                         remat=remat),)
         if role == "ep":
             for pattern in (p for p, side in tensor.items() if side == "experts"):
                 plan[pattern] = (*plan.get(pattern, ()), ExpertParallel(axis))
@@ -239,19 +242,18 @@ def module_at(model, path):
     return node
 
 
-def cut_model(model: nnx.Module, path: tuple | None, depth: int, remat: bool = False,
-              scope: bool = True) -> nnx.Module:
+def cut_model(model: nnx.Module, path: tuple | None, depth: int, remat: bool = False) -> nnx.Module:
     """A copy of the abstract ``model`` whose block list at ``path`` keeps its first ``depth`` blocks, the last
-    called inside ``jax.named_scope(BLOCK_SCOPE)`` unless not ``scope`` (so the equations of its forward and
-    backward passes say so; a pipeline's blocks stay alike); ``remat``: every block's activations recomputed in the
-    backward pass (``jax.checkpoint`` around each call: what the step keeps of a block is its input)."""
+    called inside ``jax.named_scope(BLOCK_SCOPE)`` (so the equations of its forward and backward passes say so);
+    ``remat``: every block's activations recomputed in the backward pass (``jax.checkpoint`` around each call: what
+    the step keeps of a block is its input)."""
     graphdef, state = nnx.split(model)
     copy = nnx.merge(graphdef, state, copy=True)
     if path is not None:
         parent = module_at(copy, path[:-1])
         kept = list(getattr(parent, path[-1]))[:depth]
         for i, block in enumerate(kept):
-            block.__class__ = _scoped(type(block), scope=scope and i == len(kept) - 1, remat=remat)
+            block.__class__ = _scoped(type(block), scope=i == len(kept) - 1, remat=remat)
         setattr(parent, path[-1], nnx.List(kept))
     return copy
 

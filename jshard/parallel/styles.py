@@ -501,15 +501,19 @@ class PipelineParallel(ParallelStyle):
     ``"interleaved"``; ``jshard.parallel.schedule``), all in the step's one program
     (``jshard.parallel.stages``). The blocks' parameters are placed by the other styles on the other axes;
     what runs before and after the blocks (embeddings, the head) is placed by them too, replicated along ``axis``.
+    A stage keeps each layer's activations for its microbatches in flight, as ``jax.grad`` keeps them;
+    ``remat=True`` keeps each layer's input alone and runs its forward again in the backward pass
+    (``jax.checkpoint``): a third more compute for a stage's memory of its inputs.
 
     >>> PipelineParallel("pp", microbatches=8)
-    PipelineParallel(axis='pp', input=None, output=None, microbatches=8, schedule='1f1b', virtual_stages=1)
+    PipelineParallel(axis='pp', input=None, output=None, microbatches=8, schedule='1f1b', virtual_stages=1, remat=False)
     """
 
     axis: str = "pp"
     microbatches: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
+    remat: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -517,6 +521,8 @@ class PipelineParallel(ParallelStyle):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{self.label}: {name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.remat, bool):
+            raise TypeError(f"{self.label}: remat must be True or False, got {self.remat!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"{self.label}: schedule {self.schedule!r} is not one of "
                              f"{', '.join(map(repr, SCHEDULES))}")

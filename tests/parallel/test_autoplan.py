@@ -191,7 +191,8 @@ def test_data_parallelism_is_priced_as_it_runs(roles, monkeypatch):
     roles = dict(zip(mesh.axis_names, roles, strict=True))
     priced = pricing.price(model, ("blocks",), mesh, roles, tensor, _loss, (IDS, IDS), tx, hardware, {})
     styles = role_rules.styles_of
-    monkeypatch.setattr(pricing, "styles_of", lambda *args, pricing=False, param_dtype=None: styles(*args))
+    monkeypatch.setattr(pricing, "styles_of",
+                        lambda *args, pricing=False, param_dtype=None, remat=False: styles(*args, remat=remat))
     plain = pricing.price(model, ("blocks",), mesh, roles, tensor, _loss, (IDS, IDS), tx, hardware, {})
     assert (priced.detail, priced.memory, priced.bytes_moved, priced.step_us) == \
         (plain.detail, plain.memory, plain.bytes_moved, plain.step_us)

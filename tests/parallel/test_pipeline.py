@@ -6,6 +6,7 @@ moves between) and how it is priced; the stacked parameters' placements and per-
 from __future__ import annotations
 
 import collections
+import functools
 import re
 import types
 
@@ -85,6 +86,29 @@ def test_pipeline_value_and_grad_equals_the_layers_run_one_after_another(shape, 
     for ours, theirs in ((gs["w"], grads[0]), (gs["b"], grads[1]), (go["h"], grads[2]), (gx, grads[3])):
         np.testing.assert_allclose(np.asarray(ours.full()), theirs, rtol=1e-4, atol=1e-6)
     assert gs["w"].placements[0] == split  # the layers' gradients lie like the layers
+
+
+def test_remat_keeps_each_layers_input_alone_and_computes_the_same():
+    w, b, h, x, y = _toy()
+    loss, grads = _sequential(w, b, h, x, y)
+    mesh = jax.make_mesh((2, 4), ("pp", "tp"))
+    args = [jshard.distribute(w, mesh, [Shard(0), Shard(2)]), jshard.distribute(b, mesh, [Shard(0), Replicate()])]
+    args += [jshard.distribute(a, mesh, [Replicate(), Replicate()]) for a in (h, x, y)]
+
+    def run(w, b, h, x, y, remat):
+        return pipeline_value_and_grad(_layer, _tail, {"w": w, "b": b}, {"h": h}, x, (y,), axis="pp", remat=remat)
+
+    got, (gs, go, gx) = jshard.jit(functools.partial(run, remat=True))(*args)
+    np.testing.assert_allclose(float(got.full()), float(loss), rtol=1e-5)
+    for ours, theirs in ((gs["w"], grads[0]), (gs["b"], grads[1]), (go["h"], grads[2]), (gx, grads[3])):
+        np.testing.assert_allclose(np.asarray(ours.full()), theirs, rtol=1e-4, atol=1e-6)
+    kept = {}
+    for remat in (False, True):
+        plan = jshard.jit(functools.partial(run, remat=remat)).trace(*args).plan
+        eqn = next(e.eqn for e in plan.equations if e.eqn.primitive.name == "jshard_pipeline")
+        kept[remat] = [a.shape for a in eqn.params["fwd"].out_avals[1:]]  # kept besides the layer's output
+    assert kept[True] == [(MB, D)]  # the layer's input alone
+    assert len(kept[False]) > 1  # tanh's output too (its derivative), and the input
 
 
 def test_a_layer_runs_forward_once_keeping_the_residuals_that_depend_on_its_input():
