@@ -433,10 +433,11 @@ def _comparisons(side: _Side, theirs: dict[str, _Side], alone: _Side, n_terms: i
 def _tick_model(row: dict) -> float:
     """The FLOPs count's model, over the unpipelined step's: every tick runs a forward unit and a backward unit (the
     conditionals' every branch counts), a unit being one chunk's layers on one microbatch, against the 3 forwards'
-    work (forward, and the gradient's 2) of the ``v * m`` units a device has. A backward unit costs the gradient's
-    2 forwards: it reads the residuals its forward unit kept, never running the forward again."""
+    work (forward, and the gradient's 2) of the ``v * m`` units a device has. A backward unit costs 3 forwards:
+    the gradient's 2 and, under ``PipelineParallel``'s default ``remat``, its layers' forward run again from the
+    inputs its forward unit kept."""
     v, m = row["virtual_stages"], row["microbatches"]
-    return round(row["ticks"] * 3 / (3 * v * m), 3)
+    return round(row["ticks"] * (1 + 3) / (3 * v * m), 3)
 
 
 def across_microbatches(rows: list[dict]) -> list[dict]:
@@ -485,10 +486,10 @@ def _print_table(rows: list[dict], summary: list[dict], model: Model) -> None:
           f"{model.seq}; a microbatch holds {model.per_microbatch} sequences per dp replica.\n"
           "ms: step time (median), and its ratio to dp2xtp4's and fsdp8's; peak MB: temp + args + outputs per "
           "device;\nGFLOP per device (loops by trip count, every branch of a conditional), its ratio to dp2xtp4's "
-          "and the tick model's\n(every tick a forward and a backward unit, a backward 4 forwards' work, 3 with one "
-          "layer a chunk);\ncoll, recv MB: collectives run and MB a device receives; ppermute MB: the stage-to-stage "
-          "part, and over what the\nschedule must move; x-pp: the other collectives joining stages (loops by trip "
-          "count); blocks: the blocks' parameter\nbytes a device holds over the same without pp (target 1/p);\n"
+          "and the tick model's\n(every tick a forward and a backward unit, a backward 3 forwards' work: the layers' "
+          "forward again, under remat);\ncoll, recv MB: collectives run and MB a device receives; ppermute MB: the "
+          "stage-to-stage part, and over what the\nschedule must move; x-pp: the other collectives joining stages "
+          "(loops by trip count); blocks: the blocks' parameter\nbytes a device holds over the same without pp (target 1/p);\n"
           "wasted, theory: the schedule's wasted() and theory(); slots: buffers per chunk\n")
     print(f"{'config':<8} {'m':>3} {'schedule':<12} {'ms':>7} {'/dp2xtp4':>9} {'/fsdp8':>7} {'peak MB':>8} "
           f"{'dp2xtp4':>8} {'fsdp8':>6} {'GFLOP':>7} {'/dp2xtp4':>9} {'model':>7} {'coll':>5} {'recv MB':>8} "
@@ -524,7 +525,7 @@ def _print_table(rows: list[dict], summary: list[dict], model: Model) -> None:
               "fitted to a * v * m + b;\nmeasured wasted = b / t(m) (on emulated CPU devices the fixed costs, not "
               "the bubble: see the docstring);\npeak growth per "
               "microbatch in activation blocks (1F1B target: the 2 of the embeddings and their gradient; GPipe adds "
-              "3 of buffers)")
+              "its buffers': the inboxes' 2 and each layer's input)")
         print(f"{'config':<8} {'schedule':<12} {'m':>10} {'t(m)':>20} {'a':>7} {'b':>7} {'measured wasted':>24} "
               f"{'theory':>24} {'peak MB':>24} {'growth/m':>9}")
         for s in summary:

@@ -12,10 +12,11 @@ gradients: with respect to ``stacked`` (every layer's parameters, stacked along 
 - one layer's forward, its backward and the tail's value and gradient are jaxprs of their own, planned on the
   mesh without ``axis`` (``jshard.constrain`` inside them names the other axes alone), so tensor, data or sequence
   parallelism runs inside every stage. The forward unit returns the residuals of the layer's vjp that depend on
-  its input, which the stage keeps per microbatch in flight until the backward unit reads them: each layer's
-  forward runs once per microbatch, as ``jax.grad`` runs it (a layer under ``jax.checkpoint`` / ``nnx.remat``
-  keeps only its input and computes its forward again in the backward unit). Residuals made from the parameters
-  alone (a weight cast to the compute dtype) are made again in the backward unit, never kept per microbatch;
+  its input, which the stage keeps per microbatch in flight until the backward unit reads them. By default
+  (``remat``) the layer runs under ``jax.checkpoint``, so its residual is its input and its forward runs once more
+  in the backward unit; without, every residual is kept and each layer's forward runs once per microbatch, as
+  ``jax.grad`` runs it. Residuals made from the parameters alone (a weight cast to the compute dtype) are made
+  again in the backward unit, never kept per microbatch;
 - the local kernel is a loop over the schedule's ticks (``jshard.parallel.schedule``): per tick every device runs
   the forward unit and the backward unit the tables give it (``lax.cond``: an idle device computes nothing), then
   sends its activation one stage on and its input gradient one stage back (two ``ppermute``\\ s, each over only the
@@ -74,14 +75,16 @@ source_info_util.register_exclusion(os.path.abspath(__file__))
 
 def pipeline_value_and_grad(layer: Callable, tail: Callable, stacked: Any, other: Any, x0: Any, side: Any, *,
                             axis: str, schedule: str = "1f1b", virtual_stages: int = 1,
-                            remat: bool = False) -> tuple[Any, tuple]:
+                            remat: bool = True) -> tuple[Any, tuple]:
     """``(loss, (d stacked, d other, d x0))``: the mean over microbatches of the pipeline's loss, and its gradients.
 
     ``layer(layer_params, x) -> y`` is one layer (``layer_params`` shaped like ``stacked`` without its leading
     dim; ``y`` like ``x``); ``tail(other, x, *side_i) -> loss`` takes the last layer's output of microbatch ``i``;
     ``x0`` stacks the microbatches' inputs ``[m, ...]`` and ``side`` (a tuple of arrays ``[m, ...]``) what the
-    tail reads of each; ``remat``: each layer keeps its input alone and runs its forward again in its backward
-    unit (``jax.checkpoint``). Call it inside ``jshard.jit`` (or ``TrainStep``); see the module's docstring.
+    tail reads of each; ``remat`` (default): each layer keeps its input alone and runs its forward again in its
+    backward unit (``jax.checkpoint``), else it keeps every residual its backward reads (no forward run again, a
+    stage's memory its layers' activations for every microbatch in flight). Call it inside ``jshard.jit`` (or
+    ``TrainStep``); see the module's docstring.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline: schedule={schedule!r} is not one of {', '.join(map(repr, SCHEDULES))}")

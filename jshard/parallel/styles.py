@@ -501,19 +501,20 @@ class PipelineParallel(ParallelStyle):
     ``"interleaved"``; ``jshard.parallel.schedule``), all in the step's one program
     (``jshard.parallel.stages``). The blocks' parameters are placed by the other styles on the other axes;
     what runs before and after the blocks (embeddings, the head) is placed by them too, replicated along ``axis``.
-    A stage keeps each layer's activations for its microbatches in flight, as ``jax.grad`` keeps them;
-    ``remat=True`` keeps each layer's input alone and runs its forward again in the backward pass
-    (``jax.checkpoint``): a third more compute for a stage's memory of its inputs.
+    A stage keeps each layer's input for its microbatches in flight and runs the layer's forward again in the
+    backward pass (``remat=True``, ``jax.checkpoint``); ``remat=False`` keeps every activation the backward pass
+    reads instead, as ``jax.grad`` keeps them: a quarter less compute for a stage's memory of its layers'
+    activations per microbatch in flight (Megatron-LM's default, where memory allows).
 
     >>> PipelineParallel("pp", microbatches=8)
-    PipelineParallel(axis='pp', input=None, output=None, microbatches=8, schedule='1f1b', virtual_stages=1, remat=False)
+    PipelineParallel(axis='pp', input=None, output=None, microbatches=8, schedule='1f1b', virtual_stages=1, remat=True)
     """
 
     axis: str = "pp"
     microbatches: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
-    remat: bool = False
+    remat: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
