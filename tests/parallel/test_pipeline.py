@@ -88,7 +88,7 @@ def test_pipeline_value_and_grad_equals_the_layers_run_one_after_another(shape, 
     assert gs["w"].placements[0] == split  # the layers' gradients lie like the layers
 
 
-def test_remat_keeps_each_layers_input_alone_and_computes_the_same():
+def test_remat_keeps_each_layers_input_alone_and_either_way_computes_the_same():
     w, b, h, x, y = _toy()
     loss, grads = _sequential(w, b, h, x, y)
     mesh = jax.make_mesh((2, 4), ("pp", "tp"))
@@ -98,10 +98,11 @@ def test_remat_keeps_each_layers_input_alone_and_computes_the_same():
     def run(w, b, h, x, y, remat):
         return pipeline_value_and_grad(_layer, _tail, {"w": w, "b": b}, {"h": h}, x, (y,), axis="pp", remat=remat)
 
-    got, (gs, go, gx) = jshard.jit(functools.partial(run, remat=True))(*args)
-    np.testing.assert_allclose(float(got.full()), float(loss), rtol=1e-5)
-    for ours, theirs in ((gs["w"], grads[0]), (gs["b"], grads[1]), (go["h"], grads[2]), (gx, grads[3])):
-        np.testing.assert_allclose(np.asarray(ours.full()), theirs, rtol=1e-4, atol=1e-6)
+    for remat in (True, False):
+        got, (gs, go, gx) = jshard.jit(functools.partial(run, remat=remat))(*args)
+        np.testing.assert_allclose(float(got.full()), float(loss), rtol=1e-5)
+        for ours, theirs in ((gs["w"], grads[0]), (gs["b"], grads[1]), (go["h"], grads[2]), (gx, grads[3])):
+            np.testing.assert_allclose(np.asarray(ours.full()), theirs, rtol=1e-4, atol=1e-6)
     kept = {}
     for remat in (False, True):
         plan = jshard.jit(functools.partial(run, remat=remat)).trace(*args).plan
@@ -287,6 +288,22 @@ def test_a_pipelined_gpt_trains_like_one_device(one_device, shape, names, style,
     p = mesh.shape["pp"]
     assert kernel.shape == (LAYERS, W, W)
     assert kernel.spec.local_block_shape[0] == LAYERS // p  # a stage holds its own blocks, no other's
+
+
+def test_a_sequence_parallel_stage_keeping_every_activation_trains_like_one_device(one_device):
+    """``remat=False`` (every residual kept, each forward run once) trains like one device; and a sequence-parallel
+    stage keeps its residual stream split on the sequence inside the layer's forward unit (it arrived split over the
+    batch on the tensor axis, which cost the layer an all-to-all in and out)."""
+    mesh = jax.make_mesh((2, 4), ("pp", "tp"))
+    plan, default = gpt_plan("sp")
+    plan = {**plan, "blocks": PipelineParallel("pp", microbatches=2, remat=False)}
+    step = TrainStep(parallelize(_make, mesh, plan, default=default), optax.adamw(1e-2), _loss)
+    batches = [[jshard.distribute(a, mesh, [Replicate(), Replicate()]) for a in b] for b in _batches()]
+    np.testing.assert_allclose([float(step(*b).full()) for b in batches], one_device[0], rtol=2e-5)
+    _stacked_equivalent({k: np.asarray(v.full()) for k, v in _flat(step.params).items()}, one_device[1])
+    forward = [kind for r in step.explain(*batches[0]).rows if r["primitive"].startswith("jshard_pipeline layer forward")
+               for _, kind, _, _ in r["moves"]]
+    assert forward and "all_to_all" not in forward
 
 
 @pytest.mark.slow
