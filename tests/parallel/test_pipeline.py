@@ -301,7 +301,8 @@ def test_a_sequence_parallel_stage_keeping_every_activation_trains_like_one_devi
     batches = [[jshard.distribute(a, mesh, [Replicate(), Replicate()]) for a in b] for b in _batches()]
     np.testing.assert_allclose([float(step(*b).full()) for b in batches], one_device[0], rtol=2e-5)
     _stacked_equivalent({k: np.asarray(v.full()) for k, v in _flat(step.params).items()}, one_device[1])
-    forward = [kind for r in step.explain(*batches[0]).rows if r["primitive"].startswith("jshard_pipeline layer forward")
+    rows = step.explain(*batches[0]).rows
+    forward = [kind for r in rows if r["primitive"].startswith("jshard_pipeline layer forward")
                for _, kind, _, _ in r["moves"]]
     assert forward and "all_to_all" not in forward
 
