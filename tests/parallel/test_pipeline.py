@@ -378,6 +378,8 @@ def test_parallelize_refuses_blocks_it_cannot_pipeline(make, plan, match):
 def test_pipeline_parallel_checks_its_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PipelineParallel("pp", **kwargs)
+    with pytest.raises(TypeError, match=r"remat must be True or False, got 'yes'"):
+        PipelineParallel("pp", remat="yes")
 
 
 @pytest.mark.parametrize("how,match", [
