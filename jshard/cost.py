@@ -89,21 +89,26 @@ class CostModel:
         return kernels * self.kernel_us + nbytes / (self.memory_gbps * 1e3)
 
     def collective(self, kind: str, axis_names: tuple[str, ...], group_size: int, nbytes: float, *,
-                   launch: bool = True) -> float:
+                   launch: bool = True, sizes: Mapping[str, int] | None = None) -> float:
         """Cost in µs of one collective ``kind`` over ``axis_names`` (``group_size`` devices) with
-        ``nbytes`` of input per device. ``launch=False`` prices a step merged into the previous one."""
+        ``nbytes`` of input per device. ``launch=False`` prices a step merged into the previous one. With the
+        axes' ``sizes``, a group over tree axes and ring axes both (nodes and the chips inside them) is priced as
+        NCCL runs it, level by level: each axis's hops at its own latency (a tree's ``log2 n``, a ring's
+        ``n - 1``), not one ring through every chip at the slowest latency."""
         if group_size <= 1:
             return 0.0
         costs = [self.axis(a) for a in axis_names]
-        latency = max(c.latency_us for c in costs)
         bandwidth = min(c.bandwidth_gbps for c in costs)
-        steps = math.ceil(math.log2(group_size)) if all(c.tree for c in costs) else group_size - 1
-        hops = 1 if kind == "permute" else _HOPS[kind] * steps  # a permute is one point-to-point hop
-        return (
-            (self.launch_us if launch else 0.0)
-            + hops * latency
-            + nbytes * _VOLUME[kind](group_size) / (bandwidth * 1e3)
-        )
+        if kind == "permute":  # one point-to-point hop
+            hops_us = max(c.latency_us for c in costs)
+        elif all(c.tree for c in costs):
+            hops_us = _HOPS[kind] * math.ceil(math.log2(group_size)) * max(c.latency_us for c in costs)
+        elif sizes is not None and any(c.tree for c in costs):
+            hops_us = _HOPS[kind] * sum((math.ceil(math.log2(sizes[a])) if c.tree else sizes[a] - 1) * c.latency_us
+                                        for a, c in zip(axis_names, costs, strict=True) if sizes[a] > 1)
+        else:
+            hops_us = _HOPS[kind] * (group_size - 1) * max(c.latency_us for c in costs)
+        return (self.launch_us if launch else 0.0) + hops_us + nbytes * _VOLUME[kind](group_size) / (bandwidth * 1e3)
 
 
 class Communication(NamedTuple):
@@ -124,7 +129,7 @@ class Communication(NamedTuple):
     def cost(self, model: CostModel, sizes: Mapping[str, int]) -> float:
         """µs under ``model`` on a mesh whose axes have ``sizes`` (name -> devices)."""
         group = math.prod(sizes[a] for a in self.axes)
-        return self.count * model.collective(self.kind, tuple(self.axes), group, self.nbytes)
+        return self.count * model.collective(self.kind, tuple(self.axes), group, self.nbytes, sizes=sizes)
 
 
 def _number(x) -> bool:

@@ -487,7 +487,8 @@ class _Search:
                 got = self.hop[kind][axes[0]] + nbytes * self.per_byte[kind][axes[0]]
             else:
                 got = self.model.collective(kind, tuple(self.names[a] for a in axes),
-                                            math.prod(self.sizes[a] for a in axes), nbytes, launch=False)
+                                            math.prod(self.sizes[a] for a in axes), nbytes, launch=False,
+                                            sizes={self.names[a]: self.sizes[a] for a in axes})
             self._prices[key] = got
         return got
 
@@ -656,7 +657,8 @@ def _merge(search: _Search, edges: list[Edge]) -> list[Step]:
             carrier = mean_carrier(search.dtype) if scale != 1 else None
             if carrier is not None:  # an integer average moves a (quotient, remainder) pair per element
                 nbytes = nbytes // search.itemsize * 2 * carrier.itemsize
-            cost = search.model.collective(kind, tuple(names[a] for a in order), group_size, nbytes)
+            cost = search.model.collective(kind, tuple(names[a] for a in order), group_size, nbytes,
+                                           sizes={names[a]: search.sizes[a] for a in order})
         steps.append(Step(kind, tuple(names[a] for a in order), first, last, dim, split_dim, op, scale,
                           nbytes, cost))
     return steps

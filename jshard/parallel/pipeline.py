@@ -55,7 +55,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh
 
 from ..cost import Communication
-from ..engine.constrain import hidden_axis
+from ..engine.constrain import constrain_p, hidden_axis
 from ..engine.kernel import local_function
 from ..engine.program import tracing_mesh
 from ..engine.walk import Body, control, move_cost, plan_jaxpr
@@ -232,11 +232,11 @@ def plan_pipeline(eqn: jc.JaxprEqn, specs: list[Spec], mesh: Mesh) -> tuple[Choi
     x, fwd = _steady(prm["fwd"], layer, x, sub)
     ins_x0 = _outer(x, mesh, ax, Replicate(), stack=m)
     res = list(fwd.out_specs[1:])  # the residuals a stage stashes, as the forward unit makes them
-    bwd = plan_jaxpr(prm["bwd"], layer + res + [x], sub)
+    bwd = plan_jaxpr(_pinned_gradients(prm["bwd"], _gradient_pins(layer)), layer + res + [x], sub)
     tail = plan_jaxpr(prm["tail"], tail_in + [x] + side_in, sub)
     whole = (Replicate(),) * len(sub.axis_names)
     fwd_pins = [x] + [None] * len(res)
-    bwd_pins = [None] * n + [x]  # gradients accumulate as the plan makes them (a Partial is reduced once, after)
+    bwd_pins = [None] * n + [x]  # pinned inside the unit (_gradient_pins); a Partial is reduced once, after
     tail_pins = [tail.out_specs[0].with_placements(whole)] + [None] * k + [x]
     d_layer, d_other = bwd.out_specs[:n], tail.out_specs[1:1 + k]
 
@@ -259,6 +259,25 @@ def plan_pipeline(eqn: jc.JaxprEqn, specs: list[Spec], mesh: Mesh) -> tuple[Choi
             + sum(b.runs * (b.plan.cost + move_cost(b.plan.out_specs, b.pins)) for b in bodies)
             + sum(c.cost(model, dict(mesh.shape)) for c in _sends(sched, axis, x)))
     return Choice(tuple(ins_stacked + ins_other + [ins_x0] + ins_side), tuple(outs), cost, rule), kernel, bodies
+
+
+def _gradient_pins(layer: list[Spec]) -> tuple:
+    """Per layer parameter, the placements its gradient accumulates in: split where the parameter is split, as the
+    plan makes it elsewhere (``None``: a pending sum over a data axis is reduced once, after the last microbatch).
+    Left free, a sequence-parallel layer's weight gradient came out a pending sum of the whole matrix, ``n`` times
+    the parameter's block, accumulated and kept so for every layer of the stage."""
+    return tuple(tuple(q if q.is_shard else None for q in sp.placements) for sp in layer)
+
+
+@functools.lru_cache(maxsize=64)
+def _pinned_gradients(closed: jc.ClosedJaxpr, pins: tuple) -> jc.ClosedJaxpr:
+    """The backward unit with its first ``len(pins)`` outputs (the layer's gradients) constrained to ``pins``, so
+    that the unit's plan weighs their moves as it chooses how to make them."""
+    def pinned(*args):
+        outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+        return [constrain_p.bind(o, placements=pin, pin_gradient=False) if any(q is not None for q in pin) else o
+                for o, pin in zip(outs, pins, strict=False)] + outs[len(pins):]
+    return jax.make_jaxpr(pinned)(*closed.in_avals)
 
 
 def _along(spec: Spec, ax: int, placement: Placement, keep_dim0: bool) -> Spec:

@@ -93,7 +93,7 @@ class Rates:
 
     def collective(self, kind: str, axes: tuple[str, ...], sizes: dict, nbytes: float, count: int = 1) -> dict:
         """The figures of ``count`` collectives ``kind`` over ``axes`` with ``nbytes`` in per chip."""
-        us = count * self.links.collective(kind, axes, math.prod(sizes[a] for a in axes), nbytes)
+        us = count * self.links.collective(kind, axes, math.prod(sizes[a] for a in axes), nbytes, sizes=sizes)
         out = {"comm_us": us, f"{self.level(axes)}_us": us, "bytes": nbytes * count}
         if axes and set(axes) <= self.data:
             out["data_us"] = us
@@ -279,6 +279,9 @@ def _equation_figures(eq, rates: Rates, sizes: dict, fused: frozenset = frozense
     (a scan's once per trip, a while loop's for as many trips as the plan assumed, a cond's costliest branch); a
     pipeline's as its schedule runs them (``pipeline_us``)."""
     written = sum(s.local_bytes for o, s in zip(eq.outs or (), eq.choice.outs, strict=True) if o not in fused)
+    if eq.eqn.primitive is constrain_p and not any(isinstance(op.move, MovePlan) and op.move.steps
+                                                    for op in eq.operands):
+        written = 0  # a constraint its operand meets hands the same buffer on
     out = dict.fromkeys(FIGURES, 0.0)
     out.update(flops=_flops(eq), written=float(written))
     for op in eq.operands:

@@ -305,6 +305,12 @@ def test_a_sequence_parallel_stage_keeping_every_activation_trains_like_one_devi
     forward = [kind for r in rows if r["primitive"].startswith("jshard_pipeline layer forward")
                for _, kind, _, _ in r["moves"]]
     assert forward and "all_to_all" not in forward
+    # the stage accumulates each layer's gradients split as its parameters are: a weight split on the tensor axis
+    # never accumulates as a pending sum of the whole matrix (4x its block here, for every layer of the stage)
+    (pipeline,) = [r for r in rows if r["primitive"] == "jshard_pipeline"]
+    n = len(jax.tree.leaves(nnx.state(step.model.blocks.layers, nnx.Param)))
+    for param, grad in zip(pipeline["ins"][:n], pipeline["outs"][1:1 + n], strict=True):
+        assert grad.local_block_shape == param.local_block_shape, (param, grad)
 
 
 @pytest.mark.slow

@@ -243,3 +243,8 @@ def test_a_collective_across_nodes_takes_a_trees_hops_within_a_node_a_rings():
     assert costs.collective("all_gather", ("tp",), 8, 0) == pytest.approx(launch + 7 * h100.intra.latency * 1e6)
     ring = Hardware.h100(inter=Link(50e9, 10e-6)).costs(mesh)
     assert ring.collective("all_gather", ("dp",), 2048, 0) == pytest.approx(launch + 2047 * 10.0)
+    # over nodes and the chips in them both, level by level: a tree across the nodes, a ring inside each (a loss
+    # summed over a pipeline's data and tensor axes was priced as one ring through 16,384 chips: 0.3 s)
+    sizes = dict(mesh.shape)
+    both = launch + 2 * (11 * h100.inter.latency + 7 * h100.intra.latency) * 1e6
+    assert costs.collective("all_reduce", ("dp", "tp"), 2048 * 8, 0, sizes=sizes) == pytest.approx(both)
