@@ -59,7 +59,7 @@ from jax.interpreters import ad, batching, mlir
 from jax.interpreters import partial_eval as pe
 
 __all__ = ["Scan", "While", "ad", "batching", "cond_branches", "constructing", "inlined_call", "is_sharding_type_error",
-           "jc", "lowered", "mlir", "open_jaxpr", "register_array_type", "run_equations", "scan_params",
+           "jc", "lowered", "mlir", "open_jaxpr", "pruned", "register_array_type", "run_equations", "scan_params",
            "source_info_util", "while_params"]
 
 # calls whose body runs as it is, by the param holding the body: the engine follows them inline (autodiff
@@ -173,6 +173,14 @@ def run_equations(eqns: list, env: dict, outvars: list) -> list:
             out = e.primitive.bind(*map(read, e.invars), **e.primitive.get_bind_params(e.params))
         env.update(zip(e.outvars, out if e.primitive.multiple_results else [out], strict=True))
     return [read(v) for v in outvars]
+
+
+def pruned(closed: jc.ClosedJaxpr, keep: list[bool]) -> tuple[jc.ClosedJaxpr, list[bool]]:
+    """``closed`` without the equations none of its outputs needs, taking the inputs ``keep`` says (read or not),
+    and which of its inputs the outputs read."""
+    jaxpr, read = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+    invars = [v for v, k in zip(closed.jaxpr.invars, keep, strict=True) if k]
+    return closed.replace(jaxpr=jaxpr.replace(invars=invars)), list(read)
 
 
 def inlined_call(eqn: jc.JaxprEqn) -> Any | None:

@@ -59,7 +59,7 @@ from ..engine.constrain import constrain_p, hidden_axis
 from ..engine.kernel import local_function
 from ..engine.program import tracing_mesh
 from ..engine.walk import Body, control, move_cost, plan_jaxpr
-from ..jaxcompat import jc, mlir, open_jaxpr, run_equations, source_info_util
+from ..jaxcompat import jc, mlir, open_jaxpr, pruned, run_equations, source_info_util
 from ..placements import Partial, Placement, Replicate, Shard, StridedShard, shift_dims
 from ..planner import model_in_force
 from ..propagate import Choice
@@ -67,7 +67,7 @@ from ..rules.registry import Rule
 from ..spec import Spec, format_mesh
 from .schedule import SCHEDULES, make_schedule
 
-__all__ = ["pipeline_p", "pipeline_value_and_grad", "split_placement"]
+__all__ = ["pipeline_p", "pipeline_value_and_grad", "split_placement", "value_and_grad_read"]
 
 # equations are attributed to the user's line: jshard's own wrappers are not it
 source_info_util.register_exclusion(os.path.abspath(__file__))
@@ -86,6 +86,18 @@ def pipeline_value_and_grad(layer: Callable, tail: Callable, stacked: Any, other
     stage's memory its layers' activations for every microbatch in flight). Call it inside ``jshard.jit`` (or
     ``TrainStep``); see the module's docstring.
     """
+    loss, d_stacked, d_other, dx0 = value_and_grad_read(layer, tail, stacked, other, x0, side, axis=axis,
+                                                        schedule=schedule, virtual_stages=virtual_stages, remat=remat)
+    leaves, o_tree = jax.tree.flatten(other)
+    d_other = [jnp.zeros_like(a) if d is None else d for a, d in zip(leaves, d_other, strict=True)]
+    return loss, (d_stacked, jax.tree.unflatten(o_tree, d_other), dx0)
+
+
+def value_and_grad_read(layer: Callable, tail: Callable, stacked: Any, other: Any, x0: Any, side: Any, *,
+                        axis: str, schedule: str = "1f1b", virtual_stages: int = 1,
+                        remat: bool = True) -> tuple[Any, Any, list, Any]:
+    """``pipeline_value_and_grad``'s ``(loss, d stacked, d other, d x0)``, ``d other`` a list of the gradients of
+    ``other``'s leaves, None for each leaf the tail never reads (no zeros made)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline: schedule={schedule!r} is not one of {', '.join(map(repr, SCHEDULES))}")
     leaves, tree = jax.tree.flatten(stacked)
@@ -119,15 +131,19 @@ def pipeline_value_and_grad(layer: Callable, tail: Callable, stacked: Any, other
         res, saved["tree"] = jax.tree.flatten(pull)
         return (y, *res)
 
-    def last(o, x, *s):
-        def mean_part(o, x):
-            loss = tail(jax.tree.unflatten(o_tree, o), x, *s)
+    def whole(read, unread):
+        it, other = iter(read), iter(unread)
+        return jax.tree.unflatten(o_tree, [next(it) if r else next(other) for r in reads])
+
+    def last(read, unread, x, *s):  # the gradients of the leaves of other the tail reads
+        def mean_part(read, x):
+            loss = tail(whole(read, unread), x, *s)
             if getattr(loss, "shape", None) != () or not jnp.issubdtype(loss.dtype, jnp.floating):
                 raise TypeError(f"pipeline: the tail returned {getattr(loss, 'dtype', type(loss).__name__)}"
                                 f"{list(getattr(loss, 'shape', ()))}; it must return a float scalar loss")
             return loss / m
 
-        loss, (do, dx) = jax.value_and_grad(mean_part, argnums=(0, 1))(o, x)
+        loss, (do, dx) = jax.value_and_grad(mean_part, argnums=(0, 1))(read, x)
         return (loss, *do, dx)
 
     mesh = tracing_mesh()
@@ -139,16 +155,27 @@ def pipeline_value_and_grad(layer: Callable, tail: Callable, stacked: Any, other
     saved = {}
     with hidden_axis(axis, mesh.axis_names):
         fwd, bwd = _forward_and_backward(jax.make_jaxpr(saving)(layer_avals, x_aval), saved["tree"], len(leaves))
-        tl = jax.make_jaxpr(last)(o_avals, x_aval, *side_avals)
+        # a leaf of other the tail's loss never reads (the embedding, read before the layers) takes no part in it:
+        # its gradient there, zeros of its whole shape, would be made and accumulated for every microbatch
+        loss_only = jax.make_jaxpr(lambda o, x, *s: tail(jax.tree.unflatten(o_tree, o), x, *s))(
+            o_avals, x_aval, *side_avals)
+        reads = pruned(loss_only, [True] * len(loss_only.jaxpr.invars))[1][:len(o_avals)]
+        read_avals = [a for a, r in zip(o_avals, reads, strict=True) if r]
+        tl = jax.make_jaxpr(last)(read_avals, [a for a, r in zip(o_avals, reads, strict=True) if not r], x_aval,
+                                  *side_avals)
+        tl, used = pruned(tl, [i < len(read_avals) or i >= len(o_avals) for i in range(len(tl.jaxpr.invars))])
+        if any(used[len(read_avals):len(o_avals)]):
+            raise AssertionError("pipeline: the tail's gradient reads a leaf its loss does not")
     make_schedule(schedule, p, m, virtual_stages)  # the schedule's own errors, before the program is planned
     if depth % (p * virtual_stages):
         raise ValueError(f"pipeline: {depth} layers do not split into {p} stages x {virtual_stages} virtual stages "
                          f"on mesh axis {axis!r}; use a layer count that is a multiple of {p * virtual_stages}")
-    out = pipeline_p.bind(*leaves, *o_leaves, x0, *side, fwd=fwd, bwd=bwd, tail=tl, axis=axis, kind=schedule,
-                          virtual=virtual_stages, counts=(len(leaves), len(o_leaves), len(side)))
-    n, k = len(leaves), len(o_leaves)
-    loss, d_stacked, d_other, dx0 = out[0], out[1:1 + n], out[1 + n:1 + n + k], out[1 + n + k]
-    return loss, (jax.tree.unflatten(tree, d_stacked), jax.tree.unflatten(o_tree, d_other), dx0)
+    read = [a for a, r in zip(o_leaves, reads, strict=True) if r]
+    out = pipeline_p.bind(*leaves, *read, x0, *side, fwd=fwd, bwd=bwd, tail=tl, axis=axis, kind=schedule,
+                          virtual=virtual_stages, counts=(len(leaves), len(read), len(side)))
+    n, k = len(leaves), len(read)
+    loss, d_stacked, d_read, dx0 = out[0], out[1:1 + n], iter(out[1 + n:1 + n + k]), out[1 + n + k]
+    return loss, jax.tree.unflatten(tree, d_stacked), [next(d_read) if r else None for r in reads], dx0
 
 
 def split_placement(virtual_stages: int) -> Placement:

@@ -75,7 +75,7 @@ from ..engine.constrain import hidden_axis
 from ..engine.program import tracing_mesh
 from ..jaxcompat import jc, open_jaxpr, run_equations, scan_params, source_info_util
 from ..placements import Replicate, shift_dims
-from .pipeline import pipeline_value_and_grad, split_placement
+from .pipeline import split_placement, value_and_grad_read
 
 __all__ = ["PipelineStep", "Pipelined", "StackedStages", "Stages", "blocks_differ", "stacked_placements"]
 
@@ -321,11 +321,11 @@ class PipelineStep:
         x0, pull = jax.vjp(lambda o: jax.vmap(lambda *mb: before(o, *mb))(*micro), other)
         if self.stack:
             _check_standins(tail, other, micro, x0, self.depth)
-        loss, (d_stacked, d_other, dx0) = pipeline_value_and_grad(
+        loss, d_stacked, d_other, dx0 = value_and_grad_read(
             layer, tail, stacked, other, x0, tuple(micro), axis=style.axis, schedule=style.schedule,
             virtual_stages=style.virtual_stages, remat=style.remat)
         (d_before,) = pull(dx0)
-        d_other = [a + b for a, b in zip(d_other, d_before, strict=True)]
+        d_other = [b if a is None else a + b for a, b in zip(d_other, d_before, strict=True)]
         return (loss, rest), jax.tree.unflatten(tree, _interleave(inside, d_stacked, d_other))
 
 
