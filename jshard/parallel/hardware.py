@@ -66,7 +66,9 @@ class Hardware:
     ``intra``; ``launch``: seconds a kernel or a collective costs besides its work; ``overlap``: the share of the
     data axes' collectives (gradient reduce-scatters, parameter gathers) that runs hidden behind compute, as
     Megatron's and FSDP's prefetching run them (a constant to fit likewise; 0 for a measured machine, whose
-    programs XLA schedules as it schedules them).
+    programs XLA schedules as it schedules them); ``tensor_overlap``: the share of every other axis's collectives
+    (tensor, sequence and context parallelism's, a pipeline's sends) hidden likewise, as Megatron-LM's
+    ``--tp-comm-overlap`` runs a tensor-parallel layer's (0 in the presets: a step's program runs them in line).
     """
 
     name: str
@@ -79,17 +81,18 @@ class Hardware:
     efficiency: float = 1.0
     launch: float = 0.0
     overlap: float = 0.0
+    tensor_overlap: float = 0.0
 
     def __post_init__(self):
         for field in ("flops", "hbm_bytes", "hbm_bandwidth", "chips_per_node"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"Hardware({self.name!r}): {field} must be a positive number, got {value!r}")
-        for field in ("efficiency", "overlap"):
+        for field in ("efficiency", "overlap", "tensor_overlap"):
             value = getattr(self, field)
             if not 0 <= value <= 1 or (field == "efficiency" and value == 0):
                 raise ValueError(f"Hardware({self.name!r}): {field} is a share, in (0, 1] for efficiency and "
-                                 f"[0, 1] for overlap; got {value!r}")
+                                 f"[0, 1] for {field}; got {value!r}")
         for field in ("intra", "inter"):
             if not isinstance(getattr(self, field), Link):
                 raise TypeError(f"Hardware({self.name!r}): {field} must be a Link(bandwidth=bytes/s, "

@@ -362,13 +362,18 @@ def _forward_and_backward(closed: jc.ClosedJaxpr, tree: Any, n: int) -> tuple[jc
     until the backward unit ``(*params, *stashed, dy) -> (*d params, dx)`` reads them; that unit makes the other
     residuals again from the parameters (a weight cast to the compute dtype is never kept per microbatch)."""
     jaxpr, consts = open_jaxpr(closed)
+    jaxpr = _merged(jaxpr)
     varying = {jaxpr.invars[n]}
     for e in jaxpr.eqns:
         if any(not isinstance(v, jc.Literal) and v in varying for v in e.invars):
             varying.update(e.outvars)
     res = jaxpr.outvars[1:]
-    stashed = [i for i, v in enumerate(res) if not isinstance(v, jc.Literal) and v in varying]
-    remade = [v for i, v in enumerate(res) if i not in stashed and not isinstance(v, jc.Literal)]
+    stashed, seen = [], set()
+    for i, v in enumerate(res):  # one value the vjp reads in several places is kept once
+        if not isinstance(v, jc.Literal) and v in varying and v not in seen:
+            seen.add(v)
+            stashed.append(i)
+    remade = [v for v in res if not isinstance(v, jc.Literal) and v not in varying]
     again = _needed([e for e in jaxpr.eqns if not varying.intersection(e.outvars)], remade)
 
     def forward(*args):
@@ -384,6 +389,30 @@ def _forward_and_backward(closed: jc.ClosedJaxpr, tree: Any, n: int) -> tuple[jc
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
     kept = [jax.ShapeDtypeStruct(res[i].aval.shape, res[i].aval.dtype) for i in stashed]
     return jax.make_jaxpr(forward)(*avals), jax.make_jaxpr(backward)(*avals[:n], *kept, avals[n])
+
+
+def _merged(jaxpr: jc.Jaxpr) -> jc.Jaxpr:
+    """``jaxpr`` with each equation that repeats an earlier one (the same primitive and params on the same inputs,
+    no effects) dropped and its outputs read from the earlier one's. Each ``nnx.Linear`` casts its input to the
+    compute dtype itself: q, k and v of one input made three copies, each kept per microbatch in a stage's stash."""
+    same, first, eqns = {}, {}, []
+    for e in jaxpr.eqns:
+        e = e.replace(invars=[v if isinstance(v, jc.Literal) else same.get(v, v) for v in e.invars])
+        try:
+            ins = tuple(("literal", v.aval, v.val.item() if hasattr(v.val, "item") else v.val)
+                        if isinstance(v, jc.Literal) else v for v in e.invars)
+            key = None if e.effects else (e.primitive, tuple(sorted(e.params.items())), ins)
+            hash(key)
+        except TypeError:  # a param or literal that cannot be compared cheaply: kept as it is
+            key = None
+        if key is not None and key in first:
+            same.update(zip(e.outvars, first[key].outvars, strict=True))
+            continue
+        if key is not None:
+            first[key] = e
+        eqns.append(e)
+    outvars = [v if isinstance(v, jc.Literal) else same.get(v, v) for v in jaxpr.outvars]
+    return jaxpr.replace(eqns=eqns, outvars=outvars)
 
 
 def _needed(eqns: list, outs: list) -> list:

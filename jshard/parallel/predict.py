@@ -106,9 +106,9 @@ class Prediction:
     """One configuration's predicted step, per chip: ``step_s``; ``tokens_per_s_per_chip``; ``mfu`` (model FLOPs
     over the chips' peak, see the module's docstring); ``memory`` (as ``autoplan``'s ``Memory``); ``compute_s`` (the
     matmuls and memory traffic, a pipeline's schedule included), ``comm_s`` (collectives, by link level:
-    ``{"intra": ..., "inter": ...}``), ``hidden_s`` (the data axes' collectives hidden behind compute, taken off the
-    step); ``bytes_moved`` (sent in collectives); ``plan`` (the priced ``Plan``: what ``parallelize`` takes, the
-    batch's placements)."""
+    ``{"intra": ..., "inter": ...}``), ``hidden_s`` (the collectives hidden behind compute by ``Hardware.overlap``
+    and ``tensor_overlap``, taken off the step); ``bytes_moved`` (sent in collectives); ``plan`` (the priced
+    ``Plan``: what ``parallelize`` takes, the batch's placements)."""
 
     roles: dict[str, int]
     hardware: Hardware

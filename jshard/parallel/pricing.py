@@ -11,7 +11,8 @@ any size. The figures, per chip, on a ``Hardware`` (described or measured):
 
 - communication: every collective the plan runs (its operands' moves, a rule's own, as a body runs them), priced
   by the hardware's links by level (a collective over an axis that leaves the node runs at the ``inter`` link's
-  pace), with the share of the data axes' collectives that hides behind compute taken off (``Hardware.overlap``);
+  pace), with the share of the collectives that hides behind compute taken off (``Hardware.overlap`` of the data
+  axes', ``Hardware.tensor_overlap`` of the others');
 - computation: the matmul FLOPs (at their local shapes, as ``dot_general`` and the rules that declare them) at
   ``flops * efficiency``, and the bytes each equation writes (those XLA fuses away left out) at the memory's
   bandwidth;
@@ -138,7 +139,7 @@ def price(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, hardware: Hard
     total = {k: v + (depth - cut) * block.get(k, 0.0) for k, v in total.items()}
     compute_us = (total["flops"] / rates.flops_per_us + total["written"] / rates.bytes_per_us
                   + total["pipeline_us"])
-    hidden = hardware.overlap * min(total["data_us"], compute_us)  # the data axes' collectives behind compute
+    hidden = _hidden(total, compute_us, hardware)
     plan, default = styles_of(roles, tensor, blocks, micro, param_dtype=cast, remat=remat and bool(stages))
     return Plan(roles=dict(roles), styles=plan, default=default, batch=batch_placements(mesh, roles, batch),
                 step_us=compute_us + total["comm_us"] - hidden, bytes_moved=int(total["bytes"]),
@@ -308,9 +309,17 @@ def _equation_figures(eq, rates: Rates, sizes: dict, fused: frozenset = frozense
 
 
 def _unit_us(figures: dict[str, float], rates: Rates) -> float:
-    """The µs of figures: their FLOPs and writes at the measured rates, their collectives, a pipeline's ticks."""
-    return (figures["flops"] / rates.flops_per_us + figures["written"] / rates.bytes_per_us
-            + figures["comm_us"] + figures["pipeline_us"])
+    """The µs of figures: their FLOPs and writes at the measured rates, their collectives less what hides behind
+    those (``_hidden``), a pipeline's ticks."""
+    compute = figures["flops"] / rates.flops_per_us + figures["written"] / rates.bytes_per_us
+    return compute + figures["comm_us"] - _hidden(figures, compute, rates.hardware) + figures["pipeline_us"]
+
+
+def _hidden(figures: dict[str, float], compute_us: float, hardware: Hardware) -> float:
+    """The µs of collectives that run behind ``compute_us`` of computation: ``Hardware.overlap`` of the data axes',
+    ``Hardware.tensor_overlap`` of the others', never more than the computation."""
+    data = hardware.overlap * min(figures["data_us"], compute_us)
+    return data + hardware.tensor_overlap * min(figures["comm_us"] - figures["data_us"], compute_us - data)
 
 
 def _sub_sizes(sizes: dict, eq) -> dict:

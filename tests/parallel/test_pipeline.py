@@ -153,6 +153,37 @@ def test_a_layer_runs_forward_once_keeping_the_residuals_that_depend_on_its_inpu
     assert runs["jshard_pipeline layer forward"] == runs["jshard_pipeline layer backward"] == M * L // 2
 
 
+def test_a_value_the_layer_makes_twice_alike_is_kept_once():
+    """Each ``nnx.Linear`` casts its input to the compute dtype itself: two projections of one input made two casts,
+    each kept per microbatch in the stash. Equations that repeat an earlier one are merged first: one copy kept, and
+    the backward unit still computes the vjp."""
+    w, b, _, x, _ = _toy()
+    lp = [jnp.asarray(w[0]), jnp.asarray(b[0])]
+
+    def two(lp, x):
+        first = x.astype(jnp.bfloat16) @ lp[0].astype(jnp.bfloat16)
+        second = x.astype(jnp.bfloat16) @ lp[0].T.astype(jnp.bfloat16)
+        return jnp.tanh((first * second).astype(jnp.float32) + lp[1])
+
+    saved = {}
+
+    def saving(lp, x):
+        y, pull = jax.vjp(two, lp, x)
+        res, saved["tree"] = jax.tree.flatten(pull)
+        return (y, *res)
+
+    fwd, bwd = _forward_and_backward(jax.make_jaxpr(saving)(lp, x[0]), saved["tree"], 2)
+    y, *kept = jax.core.eval_jaxpr(fwd.jaxpr, fwd.consts, *lp, x[0])
+    cast = np.asarray(x[0].astype(jnp.bfloat16))
+    assert sum(k.shape == cast.shape and k.dtype == cast.dtype and np.array_equal(np.asarray(k), cast)
+               for k in kept) == 1
+    dy = jnp.ones_like(y)
+    got = jax.core.eval_jaxpr(bwd.jaxpr, bwd.consts, *lp, *kept, dy)
+    (dw, db), dx = jax.vjp(two, lp, x[0])[1](dy)
+    for ours, theirs in zip(got, (dw, db, dx), strict=True):
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-6)
+
+
 # -- what the kernel sends ----------------------------------------------------------------------------------------
 
 def _moves(s) -> list[tuple[set, set]]:

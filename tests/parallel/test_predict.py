@@ -125,6 +125,20 @@ def test_remat_trades_memory_for_compute():
     assert again.model_flops == kept.model_flops  # recomputation is not the model's
 
 
+def test_tensor_overlap_hides_the_tensor_axes_collectives_behind_compute():
+    """``tensor_overlap`` takes its share of the tensor axis's collectives off the step (Megatron-LM's
+    ``--tp-comm-overlap``), never more than the compute; a pipeline's stages hide theirs likewise."""
+    ids = jax.ShapeDtypeStruct((64, SEQ), jnp.int32)
+    inline = predict(_make(), _loss, ids, ids, hardware=Hardware.h100(), roles={"dp": 8, "sp": 8})
+    hidden = predict(_make(), _loss, ids, ids, hardware=Hardware.h100(tensor_overlap=0.5), roles={"dp": 8, "sp": 8})
+    assert hidden.compute_s == inline.compute_s and hidden.comm_s == inline.comm_s
+    assert 0 < hidden.hidden_s - inline.hidden_s <= 0.5 * sum(inline.comm_s.values())
+    assert hidden.step_s == pytest.approx(inline.step_s - (hidden.hidden_s - inline.hidden_s))
+    staged = [predict(_make(), _loss, ids, ids, hardware=Hardware.h100(tensor_overlap=share),
+                      roles={"pp": 2, "sp": 4}, microbatches=4) for share in (0.0, 0.9)]
+    assert staged[1].plan.detail["pipeline_us"] < staged[0].plan.detail["pipeline_us"]
+
+
 def test_a_pipeline_is_priced_by_its_schedule():
     ids = jax.ShapeDtypeStruct((32, SEQ), jnp.int32)
     p = predict(_make(), _loss, ids, ids, hardware=Hardware.h100(), roles={"dp": 2, "pp": 4}, microbatches=8)
