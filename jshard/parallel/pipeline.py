@@ -74,8 +74,8 @@ source_info_util.register_exclusion(os.path.abspath(__file__))
 
 
 def pipeline_value_and_grad(layer: Callable, tail: Callable, stacked: Any, other: Any, x0: Any, side: Any, *,
-                            axis: str, schedule: str = "1f1b", virtual_stages: int = 1,
-                            remat: bool = True) -> tuple[Any, tuple]:
+                            axis: str, schedule: str = "1f1b", virtual_stages: int = 1, remat: bool = True,
+                            whole: tuple[str, ...] = ()) -> tuple[Any, tuple]:
     """``(loss, (d stacked, d other, d x0))``: the mean over microbatches of the pipeline's loss, and its gradients.
 
     ``layer(layer_params, x) -> y`` is one layer (``layer_params`` shaped like ``stacked`` without its leading
@@ -83,19 +83,22 @@ def pipeline_value_and_grad(layer: Callable, tail: Callable, stacked: Any, other
     ``x0`` stacks the microbatches' inputs ``[m, ...]`` and ``side`` (a tuple of arrays ``[m, ...]``) what the
     tail reads of each; ``remat`` (default): each layer keeps its input alone and runs its forward again in its
     backward unit (``jax.checkpoint``), else it keeps every residual its backward reads (no forward run again, a
-    stage's memory its layers' activations for every microbatch in flight). Call it inside ``jshard.jit`` (or
-    ``TrainStep``); see the module's docstring.
+    stage's memory its layers' activations for every microbatch in flight); ``whole``: mesh axes along which
+    ``stacked`` and ``other`` enter the pipeline whole (a sharded parameter gathered once, its gradient reduced once
+    after the last microbatch; ``PipelineParallel``'s). Call it inside ``jshard.jit`` (or ``TrainStep``); see the
+    module's docstring.
     """
     loss, d_stacked, d_other, dx0 = value_and_grad_read(layer, tail, stacked, other, x0, side, axis=axis,
-                                                        schedule=schedule, virtual_stages=virtual_stages, remat=remat)
+                                                        schedule=schedule, virtual_stages=virtual_stages, remat=remat,
+                                                        whole=whole)
     leaves, o_tree = jax.tree.flatten(other)
     d_other = [jnp.zeros_like(a) if d is None else d for a, d in zip(leaves, d_other, strict=True)]
     return loss, (d_stacked, jax.tree.unflatten(o_tree, d_other), dx0)
 
 
 def value_and_grad_read(layer: Callable, tail: Callable, stacked: Any, other: Any, x0: Any, side: Any, *,
-                        axis: str, schedule: str = "1f1b", virtual_stages: int = 1,
-                        remat: bool = True) -> tuple[Any, Any, list, Any]:
+                        axis: str, schedule: str = "1f1b", virtual_stages: int = 1, remat: bool = True,
+                        whole: tuple[str, ...] = ()) -> tuple[Any, Any, list, Any]:
     """``pipeline_value_and_grad``'s ``(loss, d stacked, d other, d x0)``, ``d other`` a list of the gradients of
     ``other``'s leaves, None for each leaf the tail never reads (no zeros made)."""
     if schedule not in SCHEDULES:
@@ -131,13 +134,13 @@ def value_and_grad_read(layer: Callable, tail: Callable, stacked: Any, other: An
         res, saved["tree"] = jax.tree.flatten(pull)
         return (y, *res)
 
-    def whole(read, unread):
+    def all_of_other(read, unread):
         it, other = iter(read), iter(unread)
         return jax.tree.unflatten(o_tree, [next(it) if r else next(other) for r in reads])
 
     def last(read, unread, x, *s):  # the gradients of the leaves of other the tail reads
         def mean_part(read, x):
-            loss = tail(whole(read, unread), x, *s)
+            loss = tail(all_of_other(read, unread), x, *s)
             if getattr(loss, "shape", None) != () or not jnp.issubdtype(loss.dtype, jnp.floating):
                 raise TypeError(f"pipeline: the tail returned {getattr(loss, 'dtype', type(loss).__name__)}"
                                 f"{list(getattr(loss, 'shape', ()))}; it must return a float scalar loss")
@@ -167,12 +170,15 @@ def value_and_grad_read(layer: Callable, tail: Callable, stacked: Any, other: An
         if any(used[len(read_avals):len(o_avals)]):
             raise AssertionError("pipeline: the tail's gradient reads a leaf its loss does not")
     make_schedule(schedule, p, m, virtual_stages)  # the schedule's own errors, before the program is planned
+    if not set(whole) <= set(mesh.axis_names) - {axis}:
+        raise ValueError(f"pipeline: whole={tuple(whole)!r} names axes that are not the other axes of the mesh "
+                         f"{format_mesh(mesh)}; name those along which the parameters enter whole")
     if depth % (p * virtual_stages):
         raise ValueError(f"pipeline: {depth} layers do not split into {p} stages x {virtual_stages} virtual stages "
                          f"on mesh axis {axis!r}; use a layer count that is a multiple of {p * virtual_stages}")
     read = [a for a, r in zip(o_leaves, reads, strict=True) if r]
     out = pipeline_p.bind(*leaves, *read, x0, *side, fwd=fwd, bwd=bwd, tail=tl, axis=axis, kind=schedule,
-                          virtual=virtual_stages, counts=(len(leaves), len(read), len(side)))
+                          virtual=virtual_stages, counts=(len(leaves), len(read), len(side)), whole=tuple(whole))
     n, k = len(leaves), len(read)
     loss, d_stacked, d_read, dx0 = out[0], out[1:1 + n], iter(out[1 + n:1 + n + k]), out[1 + n + k]
     return loss, jax.tree.unflatten(tree, d_stacked), [next(d_read) if r else None for r in reads], dx0
@@ -186,12 +192,12 @@ def split_placement(virtual_stages: int) -> Placement:
 
 # -- the primitive ------------------------------------------------------------------------------------------------
 
-def _abstract(*args, fwd, bwd, tail, axis, kind, virtual, counts):
+def _abstract(*args, fwd, bwd, tail, axis, kind, virtual, counts, whole):
     n, k, _ = counts
     return [jax.core.ShapedArray((), tail.out_avals[0].dtype), *args[:n + k + 1]]
 
 
-def _impl(*args, fwd, bwd, tail, axis, kind, virtual, counts):
+def _impl(*args, fwd, bwd, tail, axis, kind, virtual, counts, whole):
     """One device: the microbatches one after another through every layer, then back."""
     n, k, s = counts
     stacked, other, x0, side = args[:n], args[n:n + k], args[n + k], args[n + k + 1:]
@@ -248,8 +254,8 @@ def plan_pipeline(eqn: jc.JaxprEqn, specs: list[Spec], mesh: Mesh) -> tuple[Choi
 
     # what the program takes: the layers split along the axis (dim 0 whole on the others), everything else
     # replicated along it; microbatch stacks whole along dim 0 (a tick reads one microbatch)
-    ins_stacked = [_along(sp, ax, split, keep_dim0=False) for sp in stacked]
-    ins_other = [_along(sp, ax, Replicate(), keep_dim0=True) for sp in other]
+    ins_stacked = [_along(sp, ax, split, keep_dim0=False, whole=prm["whole"]) for sp in stacked]
+    ins_other = [_along(sp, ax, Replicate(), keep_dim0=True, whole=prm["whole"]) for sp in other]
     ins_x0, *ins_side = [_along(sp, ax, Replicate(), keep_dim0=False) for sp in (x0, *side)]
     layer = [_inner(sp, sub, ax, drop_dim0=True) for sp in ins_stacked]
     tail_in = [_inner(sp, sub, ax, drop_dim0=False) for sp in ins_other]
@@ -307,9 +313,11 @@ def _pinned_gradients(closed: jc.ClosedJaxpr, pins: tuple) -> jc.ClosedJaxpr:
     return jax.make_jaxpr(pinned)(*closed.in_avals)
 
 
-def _along(spec: Spec, ax: int, placement: Placement, keep_dim0: bool) -> Spec:
-    """``spec`` with ``placement`` on mesh axis ``ax`` and, unless ``keep_dim0``, dim 0 whole on the others."""
-    ps = [Replicate() if (not keep_dim0 and q.is_shard and q.dim == 0) else q for q in spec.placements]
+def _along(spec: Spec, ax: int, placement: Placement, keep_dim0: bool, whole: tuple[str, ...] = ()) -> Spec:
+    """``spec`` with ``placement`` on mesh axis ``ax`` and, unless ``keep_dim0``, dim 0 whole on the others; whole
+    on the axes named ``whole``."""
+    ps = [Replicate() if (not keep_dim0 and q.is_shard and q.dim == 0) or name in whole else q
+          for q, name in zip(spec.placements, spec.mesh.axis_names, strict=True)]
     ps = [Replicate() if q.is_partial else q for q in ps]  # a program input is whole (a Partial is reduced first)
     ps[ax] = placement
     return spec.with_placements(ps, where="pipeline")

@@ -61,8 +61,10 @@ def predict(make: Callable[[], nnx.Module], loss_fn: Callable, *batch: Any, hard
 
     ``batch``: arrays or ``jax.ShapeDtypeStruct``\\ s at global shape, the first one the token ids ``[batch, seq]``
     (its size is the step's tokens); ``tx``: the optimizer (default ``optax.adamw(1e-3)``); ``microbatches``: a
-    pipeline's (default: twice its stages where the batch allows); ``remat="block"``: each block's activations
-    recomputed in its backward pass (what a block keeps is its input). ``make`` is only traced.
+    pipeline's (default: twice its stages where the batch allows); without ``pp``, the step accumulates gradients
+    over that many microbatches: its blocks run as a pipeline of one stage (``PipelineParallel`` on a ``pp`` axis of
+    size 1, which the prediction's roles and plan then name), the gradients reduced once; ``remat="block"``: each
+    block's activations recomputed in its backward pass (what a block keeps is its input). ``make`` is only traced.
 
     >>> import jax, jax.numpy as jnp
     >>> from flax import nnx
@@ -74,7 +76,8 @@ def predict(make: Callable[[], nnx.Module], loss_fn: Callable, *batch: Any, hard
     >>> p.chips, 0 < p.mfu < 1, p.memory.total < Hardware.h100().hbm_bytes
     (128, True, True)
     """
-    model, mesh, axis_roles, batch, tx = _checked(make, loss_fn, batch, hardware, roles, tx, microbatches, remat)
+    model, mesh, roles, batch, tx = _checked(make, loss_fn, batch, hardware, roles, tx, microbatches, remat)
+    axis_roles = {r: r for r in roles}
     blocks = repeated(model)
     styles = set(axis_roles.values())
     tensor = tensor_sides(model, loss_fn, batch) if styles & set(TENSOR_ROLES) else {}
@@ -220,7 +223,7 @@ def _open(j) -> jc.Jaxpr:
 
 def _checked(make, loss_fn, batch, hardware, roles, tx, microbatches, remat):
     """The arguments, checked, as pricing takes them: the abstract model, the abstract mesh (axes named by their
-    roles), the roles per axis, the batch as shapes, the optimizer."""
+    roles), the roles (a ``pp`` of one stage added for gradient accumulation), the batch as shapes, the optimizer."""
     if isinstance(make, nnx.Module) or not callable(make):
         raise TypeError(f"predict: make must be the model's constructor, a function of no arguments (lambda: "
                         f"GPT(...)), got {kind_of(make)}; it is only traced, never built")
@@ -242,10 +245,14 @@ def _checked(make, loss_fn, batch, hardware, roles, tx, microbatches, remat):
     if remat not in REMAT:
         raise ValueError(f"predict: remat is one of {REMAT} (None: activations kept; 'block': each block's "
                          f"recomputed in its backward pass), got {remat!r}")
-    if microbatches is not None and ("pp" not in roles or isinstance(microbatches, bool)
-                                     or not isinstance(microbatches, int) or microbatches < 1):
-        raise ValueError(f"predict: microbatches={microbatches!r} is a pipeline's count of microbatches, an int >= 1 "
-                         f"with a 'pp' role; roles are {roles}")
+    if microbatches is not None and (isinstance(microbatches, bool) or not isinstance(microbatches, int)
+                                     or microbatches < 1):
+        raise ValueError(f"predict: microbatches={microbatches!r} is a count of microbatches a step's batch runs as, "
+                         f"an int >= 1; roles are {roles}")
+    if microbatches is not None and "pp" not in roles:  # gradient accumulation: a pipeline of one stage
+        at = next((i for i, r in enumerate(roles) if r not in BATCH_ROLES), len(roles))
+        items = list(roles.items())
+        roles = dict(items[:at] + [("pp", 1)] + items[at:])
     batch = tuple(jax.ShapeDtypeStruct(np.shape(b), b.dtype) for b in batch)
     data = math.prod(n for r, n in roles.items() if r in BATCH_ROLES)
     rows = batch[0].shape[0] if batch[0].shape else 1
@@ -262,4 +269,4 @@ def _checked(make, loss_fn, batch, hardware, roles, tx, microbatches, remat):
     if not isinstance(model, nnx.Module):
         raise TypeError(f"predict: make() must build an nnx.Module, it built {kind_of(model)}")
     mesh = AbstractMesh(tuple(int(n) for n in roles.values()), tuple(roles))
-    return model, mesh, {r: r for r in roles}, batch, tx
+    return model, mesh, roles, batch, tx

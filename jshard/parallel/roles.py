@@ -67,21 +67,20 @@ def styles_of(roles: dict[str, str], tensor: dict, blocks: tuple | None = None,
     ``microbatches`` microbatches, recomputing each layer's forward where ``remat``; FSDP gathers parameters in
     ``param_dtype``, the model's compute dtype); to price it (``pricing``), a data-parallel axis gathers its
     parameters, whole already, as an FSDP one does (``_Whole``)."""
-    default = tuple((FullyShard if r == "fsdp" else _Whole)(a, param_dtype=param_dtype) for a, r in roles.items()
-                    if r == "fsdp" or (pricing and r == "dp"))
-    if {"zero", "pp"} <= set(roles.values()):
-        raise ValueError(f"roles {roles}: 'zero' (the whole model gathered once a step) with a pipeline ('pp') is not "
-                         "supported yet (a stage's stacked blocks are not gathered at the model's call); take 'dp' "
-                         "or 'fsdp' for the data axis of a pipeline")
+    # zero with a pipeline: each module's parameters sharded on the axis, the stages taking theirs whole (gathered
+    # once a step as the pipeline starts); without one, the whole model is one unit gathered where it is called
+    staged = "pp" in roles.values()
+    default = tuple((FullyShard if r in ("fsdp", "zero") else _Whole)(a, param_dtype=param_dtype)
+                    for a, r in roles.items() if r == "fsdp" or (pricing and r == "dp") or (staged and r == "zero"))
     plan: dict[str, tuple[ParallelStyle, ...]] = {}
     for axis, role in roles.items():
         if role == "cp":
             plan[""] = (*plan.get("", ()), ContextParallel(axis))
-        if role == "zero":  # the whole model one unit: its parameters gathered once a step, where it is called
+        if role == "zero" and not staged:
             plan[""] = (*plan.get("", ()), FullyShard(axis, param_dtype=param_dtype))
         if role == "pp":
-            plan[module_key(blocks, any_index=True)] = (PipelineParallel(axis, microbatches=microbatches,
-                                                                         remat=remat),)
+            plan[module_key(blocks, any_index=True)] = (PipelineParallel(
+                axis, microbatches=microbatches, remat=remat, whole=tuple(a for a, r in roles.items() if r == "zero")),)
         if role == "ep":
             for pattern in (p for p, side in tensor.items() if side == "experts"):
                 plan[pattern] = (*plan.get(pattern, ()), ExpertParallel(axis))

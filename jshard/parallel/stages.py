@@ -323,7 +323,7 @@ class PipelineStep:
             _check_standins(tail, other, micro, x0, self.depth)
         loss, d_stacked, d_other, dx0 = value_and_grad_read(
             layer, tail, stacked, other, x0, tuple(micro), axis=style.axis, schedule=style.schedule,
-            virtual_stages=style.virtual_stages, remat=style.remat)
+            virtual_stages=style.virtual_stages, remat=style.remat, whole=style.whole)
         (d_before,) = pull(dx0)
         d_other = [b if a is None else a + b for a, b in zip(d_other, d_before, strict=True)]
         return (loss, rest), jax.tree.unflatten(tree, _interleave(inside, d_stacked, d_other))

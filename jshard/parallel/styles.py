@@ -504,10 +504,15 @@ class PipelineParallel(ParallelStyle):
     A stage keeps each layer's input for its microbatches in flight and runs the layer's forward again in the
     backward pass (``remat=True``, ``jax.checkpoint``); ``remat=False`` keeps every activation the backward pass
     reads instead, as ``jax.grad`` keeps them: a quarter less compute for a stage's memory of its layers'
-    activations per microbatch in flight (Megatron-LM's default, where memory allows).
+    activations per microbatch in flight (Megatron-LM's default, where memory allows). ``whole``: mesh axes along
+    which the stages take every parameter whole, gathered once a step as the pipeline starts, its gradient
+    accumulated over the microbatches and reduce-scattered once after: parameters and optimizer state sharded over
+    the data axis (``FullyShard`` as the default style) as Megatron-LM's distributed optimizer keeps them, without
+    FSDP's gathers in every layer's unit for every microbatch (the ``zero`` role with a pipeline).
 
-    >>> PipelineParallel("pp", microbatches=8)
-    PipelineParallel(axis='pp', input=None, output=None, microbatches=8, schedule='1f1b', virtual_stages=1, remat=True)
+    >>> style = PipelineParallel("pp", microbatches=8, whole=("dp",))
+    >>> style.microbatches, style.schedule, style.remat, style.whole
+    (8, '1f1b', True, ('dp',))
     """
 
     axis: str = "pp"
@@ -515,6 +520,7 @@ class PipelineParallel(ParallelStyle):
     schedule: str = "1f1b"
     virtual_stages: int = 1
     remat: bool = True
+    whole: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -524,6 +530,12 @@ class PipelineParallel(ParallelStyle):
                 raise ValueError(f"{self.label}: {name} must be an int >= 1, got {value!r}")
         if not isinstance(self.remat, bool):
             raise TypeError(f"{self.label}: remat must be True or False, got {self.remat!r}")
+        if isinstance(self.whole, str) or not isinstance(self.whole, (tuple, list)) or not all(
+                isinstance(a, str) for a in self.whole) or self.axis in self.whole:
+            raise ValueError(f"{self.label}: whole is a tuple of the mesh axes (other than the pipeline's "
+                             f"{self.axis!r}) along which the stages take their parameters whole, say ('dp',); got "
+                             f"{self.whole!r}")
+        object.__setattr__(self, "whole", tuple(self.whole))
         if self.schedule not in SCHEDULES:
             raise ValueError(f"{self.label}: schedule {self.schedule!r} is not one of "
                              f"{', '.join(map(repr, SCHEDULES))}")

@@ -105,7 +105,9 @@ def test_the_presets_and_their_overrides():
     (dict(roles={"pp": 3}), ValueError, "pp=3 stages.*4 blocks"),
     (dict(roles={"ep": 2}), ValueError, "no mixture of experts"),
     (dict(roles={"dp": 2}, remat="full"), ValueError, "remat is one of"),
-    (dict(roles={"dp": 2}, microbatches=4), ValueError, "with a 'pp' role"),
+    (dict(roles={"dp": 2}, microbatches=0), ValueError, "microbatches=0 is a count of microbatches"),
+    (dict(roles={"dp": 4}, microbatches=8), ValueError, "16 rows do not split over the data axes \\(4 ways, in each "
+                                                        "of 8 microbatches"),
     (dict(roles={"dp": 16, "pp": 2}), ValueError, "neither 4 nor 2 microbatches of rows split over the data axes "
                                                   "\\(16 ways\\); pass microbatches="),
     (dict(roles={"dp": 2}, hardware="h100"), TypeError, "hardware must be a jshard.parallel.Hardware"),
@@ -137,6 +139,19 @@ def test_tensor_overlap_hides_the_tensor_axes_collectives_behind_compute():
     staged = [predict(_make(), _loss, ids, ids, hardware=Hardware.h100(tensor_overlap=share),
                       roles={"pp": 2, "sp": 4}, microbatches=4) for share in (0.0, 0.9)]
     assert staged[1].plan.detail["pipeline_us"] < staged[0].plan.detail["pipeline_us"]
+
+
+def test_microbatches_without_a_pipeline_accumulate_gradients():
+    """``microbatches`` without ``pp``: the step runs its blocks as a pipeline of one stage over that many
+    microbatches (Megatron-LM's micro-batches), the prediction naming the size-1 axis: the activations of one
+    microbatch held, the model's FLOPs the same."""
+    ids = jax.ShapeDtypeStruct((64, SEQ), jnp.int32)
+    whole = predict(_make(), _loss, ids, ids, hardware=Hardware.h100(), roles={"dp": 4, "tp": 2})
+    split = predict(_make(), _loss, ids, ids, hardware=Hardware.h100(), roles={"dp": 4, "tp": 2}, microbatches=4)
+    assert split.roles == {"dp": 4, "pp": 1, "tp": 2} and split.plan.detail["microbatches"] == 4
+    assert split.plan.axis_names == ("dp", "pp", "tp") and split.plan.mesh_shape == (4, 1, 2)
+    assert split.memory.activations < whole.memory.activations / 2
+    assert split.model_flops == whole.model_flops
 
 
 def test_a_pipeline_is_priced_by_its_schedule():
@@ -238,10 +253,42 @@ def test_the_zero_role_gathers_each_parameter_once_a_step_and_trains_like_one_de
         assert zero.bytes_moved < fsdp.bytes_moved and zero.memory.optimizer == fsdp.memory.optimizer
 
 
-def test_zero_with_a_pipeline_is_refused_naming_both():
-    ids = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
-    with pytest.raises(ValueError, match=r"'zero' .* with a pipeline \('pp'\) is not supported yet"):
-        predict(_make(), _loss, ids, ids, hardware=Hardware.h100(), roles={"zero": 2, "pp": 2, "tp": 2})
+@pytest.mark.parametrize("shape,names", [((2, 2, 2), ("pp", "x", "tp")), ((2, 4), ("pp", "x"))],
+                         ids=["pp2xzero2xtp2", "pp2xzero4"])
+def test_zero_with_a_pipeline_gathers_the_stages_parameters_once_and_trains_like_one_device(shape, names):
+    """``"zero"`` with ``"pp"``: every parameter stored sharded over the data axis, the stages taking theirs whole
+    as the pipeline starts (``PipelineParallel(whole=...)``: one gather a step, none in the layers' units for every
+    microbatch), the gradients reduced once after; training as on one device; predict holds a quarter of dp's
+    optimizer state on four data replicas."""
+    from jshard.parallel.roles import styles_of, tensor_sides
+
+    mesh = jax.make_mesh(shape, names)
+    roles = {a: {"x": "zero"}.get(a, a) for a in names}
+    model = nnx.eval_shape(_make())
+    sides = tensor_sides(model, _loss, (IDS, IDS)) if "tp" in roles.values() else {}
+    plan, default = styles_of(roles, sides, ("blocks",), microbatches=2)
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32) for _ in range(3)]
+    one = TrainStep(parallelize(_make(), make_mesh((1,)), {}), optax.adamw(1e-2), _loss)
+    want = [float(one(b, b).full()) for b in batches]
+    step = TrainStep(parallelize(_make(), mesh, plan, default=default), optax.adamw(1e-2), _loss)
+    layout = [jshard.Shard(0) if roles[a] == "zero" else jshard.Replicate() for a in names]
+    ids = [jshard.distribute(b, mesh, layout) for b in batches]
+    np.testing.assert_allclose([float(step(i, i).full()) for i in ids], want, rtol=2e-5)
+    x = names.index("x")
+    kernel = step.model.blocks.layers.up.kernel.get_value()
+    assert kernel.placements[x].is_shard  # stored sharded over the data axis
+    rows = step.explain(ids[0], ids[0]).rows
+    (pipeline,) = [r for r in rows if r["primitive"] == "jshard_pipeline"]
+    n = len(jax.tree.leaves(nnx.state(step.model.blocks.layers, nnx.Param)))
+    assert all(sp.placements[x] == jshard.Replicate() for sp in pipeline["ins"][:n])  # whole in the stages
+    units = [kind for r in rows if r["primitive"].startswith("jshard_pipeline layer")
+             for _, kind, axes, _ in r["moves"] if "x" in axes]
+    assert not units, units  # no gather over the data axis in any layer's unit
+    ids_ = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
+    priced = {role: predict(_make(), _loss, ids_, ids_, hardware=Hardware.h100(),
+                            roles={role: 4, "pp": 2}, microbatches=2) for role in ("dp", "zero")}
+    assert priced["zero"].memory.optimizer == pytest.approx(priced["dp"].memory.optimizer / 4, rel=0.05)
 
 
 def test_a_collective_across_nodes_takes_a_trees_hops_within_a_node_a_rings():

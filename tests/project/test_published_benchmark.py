@@ -22,7 +22,8 @@ def test_the_runs_are_the_published_configurations():
     # GPUs = TP x PP x DP (48) on every row, as the table prints them
     assert [math.prod(r.roles.values()) for r in megatron] == [48, 96, 192, 384, 768, 1536, 2304, 3072, 6144]
     assert all(r.seq == 4096 and r.hardware.name == "H100 SXM" for r in megatron)
-    assert runs["megatron-462b"].roles == {"dp": 48, "pp": 16, "sp": 8} and runs["megatron-462b"].mfu == 0.47
+    assert all(r.microbatches == r.batch // 48 for r in megatron)  # Megatron-LM's micro-batch of one sequence
+    assert runs["megatron-462b"].roles == {"zero": 48, "pp": 16, "sp": 8} and runs["megatron-462b"].mfu == 0.47
     assert runs["torchtitan-8b-fsdp128"].tokens == 6514 and runs["torchtitan-8b-fsdp128"].roles == {"fsdp": 128}
 
 
@@ -30,4 +31,4 @@ def test_a_row_prices_into_the_tables_figures():
     row = bench.measure(next(r for r in bench.runs() if r.name == "megatron-1.7b"))
     assert row["chips"] == 48 and row["figure"] == "MFU" and 0 < row["predicted"] < 1
     assert row["error"] == pytest.approx((row["predicted"] - 0.41) / 0.41)
-    assert row["step_s"] > 0 and row["memory_gib"] > 0 and "zero=48 on 48 x H100 SXM" in row["explain"]
+    assert row["step_s"] > 0 and row["memory_gib"] > 0 and "zero=48 x pp=1 on 48 x H100 SXM" in row["explain"]
