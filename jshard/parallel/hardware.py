@@ -61,11 +61,11 @@ class Hardware:
     """A chip and its network.
 
     ``flops``: dense bf16 FLOP/s per chip (the peak MFU is quoted against); ``efficiency``: the share of it the
-    model's matmuls reach (a constant to fit to published runs, see ``docs/design.md``); ``hbm_bytes`` /
+    model's matmuls reach (0.668 in the presets, fitted to published runs: ``docs/design.md``); ``hbm_bytes`` /
     ``hbm_bandwidth``: the chip's memory and its bandwidth (bytes/s); ``chips_per_node``: chips joined by
     ``intra``; ``launch``: seconds a kernel or a collective costs besides its work; ``overlap``: the share of the
     data axes' collectives (gradient reduce-scatters, parameter gathers) that runs hidden behind compute, as
-    Megatron's and FSDP's prefetching run them (a constant to fit likewise; 0 for a measured machine, whose
+    Megatron's and FSDP's prefetching run them (0.8 in the presets, fitted likewise; 0 for a measured machine, whose
     programs XLA schedules as it schedules them); ``tensor_overlap``: the share of every other axis's collectives
     (tensor, sequence and context parallelism's, a pipeline's sends) hidden likewise, as Megatron-LM's
     ``--tp-comm-overlap`` runs a tensor-parallel layer's (0 in the presets: a step's program runs them in line).
@@ -145,7 +145,7 @@ class Hardware:
         if unknown:
             raise TypeError(f"Hardware: {unknown} are not fields of Hardware; the fields are "
                             f"{[f.name for f in dataclasses.fields(cls)]}")
-        return cls(**{**fields, **_CHOSEN, **changes})
+        return cls(**{**fields, **_FITTED, **changes})
 
     @classmethod
     def measure(cls, mesh: Mesh, dtype: Any = jnp.float32) -> Hardware:
@@ -194,10 +194,11 @@ class Hardware:
         return self.hbm_bandwidth / 1e6
 
 
-# the constants a described chip is priced with, chosen and not yet fitted to published runs (docs/design.md,
-# "Clusters we cannot hold"; benchmarks/published.py): the share of peak the matmuls of a
-# transformer's step reach, and of the data axes' collectives that hides behind compute
-_CHOSEN = dict(efficiency=0.62, launch=5e-6, overlap=0.9)
+# the constants a described chip is priced with: the share of peak the matmuls of a transformer's step reach and
+# the share of the collectives that hides behind compute, fitted to every other published run of
+# benchmarks/published.py (`--fit`: Megatron-LM's 1.7B, 16B, 70B, 177B and 462B rows, torchtitan's 8B on 128 GPUs;
+# docs/design.md); a launch's 5 µs chosen
+_FITTED = dict(efficiency=0.668, launch=5e-6, overlap=0.8)
 
 
 @functools.cache

@@ -263,9 +263,14 @@ def plan_pipeline(eqn: jc.JaxprEqn, specs: list[Spec], mesh: Mesh) -> tuple[Choi
     side_in = [_inner(sp, sub, ax, drop_dim0=True) for sp in ins_side]
 
     x, fwd = _steady(prm["fwd"], layer, x, sub)
+    fwd_jaxpr, bwd_jaxpr = prm["fwd"], prm["bwd"]
+    lighter = _lightened(fwd_jaxpr, fwd, layer + [x], bwd_jaxpr, n)
+    if lighter is not None:  # each residual kept as the first plan laid it out
+        fwd_jaxpr, bwd_jaxpr, kept = lighter
+        fwd = plan_jaxpr(_pinned(fwd_jaxpr, ((None,) * len(sub.axis_names), *kept)), layer + [x], sub)
     ins_x0 = _outer(x, mesh, ax, Replicate(), stack=m)
     res = list(fwd.out_specs[1:])  # the residuals a stage stashes, as the forward unit makes them
-    bwd = plan_jaxpr(_pinned_gradients(prm["bwd"], _gradient_pins(layer)), layer + res + [x], sub)
+    bwd = plan_jaxpr(_pinned(bwd_jaxpr, _gradient_pins(layer)), layer + res + [x], sub)
     tail = plan_jaxpr(prm["tail"], tail_in + [x] + side_in, sub)
     whole = (Replicate(),) * len(sub.axis_names)
     fwd_pins = [x] + [None] * len(res)
@@ -303,9 +308,10 @@ def _gradient_pins(layer: list[Spec]) -> tuple:
 
 
 @functools.lru_cache(maxsize=64)
-def _pinned_gradients(closed: jc.ClosedJaxpr, pins: tuple) -> jc.ClosedJaxpr:
-    """The backward unit with its first ``len(pins)`` outputs (the layer's gradients) constrained to ``pins``, so
-    that the unit's plan weighs their moves as it chooses how to make them."""
+def _pinned(closed: jc.ClosedJaxpr, pins: tuple) -> jc.ClosedJaxpr:
+    """A unit with its outputs constrained to ``pins`` (per output, placements with None for an axis left as the
+    plan makes it; the first ``len(pins)`` outputs), so that the unit's plan weighs their moves as it chooses how to
+    make them: the backward unit's gradients, the lightened forward unit's residuals."""
     def pinned(*args):
         outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
         return [constrain_p.bind(o, placements=pin, pin_gradient=False) if any(q is not None for q in pin) else o
@@ -399,6 +405,77 @@ def _forward_and_backward(closed: jc.ClosedJaxpr, tree: Any, n: int) -> tuple[jc
     return jax.make_jaxpr(forward)(*avals), jax.make_jaxpr(backward)(*avals[:n], *kept, avals[n])
 
 
+def _lightened(fwd: jc.ClosedJaxpr, plan: Any, ins: list[Spec], bwd: jc.ClosedJaxpr,
+               n: int) -> tuple[jc.ClosedJaxpr, jc.ClosedJaxpr, tuple] | None:
+    """The forward and backward units with each residual the stage would keep replaced by what makes it again
+    cheaply, where that is smaller as the forward unit's ``plan`` lays it out, and the placements the plan gave
+    the residuals now kept; None where none is replaced.
+
+    A residual made by equations the backward unit may run again (``_REMADE``: elementwise, casts, layout, a
+    constraint's move), none of them reading an operand larger than what it makes, is made again there from their
+    roots: a sequence-parallel layer's gathered input from its sequence-split value (gathered again in the backward
+    pass, as Megatron-LM does), a norm's and a GELU's intermediates from their input. Residual by residual, largest
+    first, a residual's roots replace it where those not kept already take fewer bytes (``_REMADE`` work is
+    memory-bound, a gather's bytes those Megatron-LM moves)."""
+    jaxpr = fwd.jaxpr
+    placed = dict(zip(jaxpr.invars, ins, strict=True))
+    for eq in plan.equations:
+        placed.update((v, sp) for v, sp in zip(eq.eqn.outvars, eq.choice.outs, strict=True))
+    size = {v: sp.local_bytes for v, sp in placed.items()}
+    placed = {v: sp.placements for v, sp in placed.items()}
+    made = {v: e for e in jaxpr.eqns for v in e.outvars}
+    params = set(jaxpr.invars[:n])
+    varying = set(jaxpr.invars[n:])
+    for e in jaxpr.eqns:
+        if any(not isinstance(v, jc.Literal) and v in varying for v in e.invars):
+            varying.update(e.outvars)
+    fixed = set(made) - varying  # made from the parameters alone: made again in the backward unit anyway
+
+    def roots(v, seen) -> set:
+        if v in params or v in fixed or v in seen:
+            return set()
+        seen.add(v)
+        e = made.get(v)
+        ins = [u for u in (e.invars if e is not None else ()) if not isinstance(u, jc.Literal)
+               and u not in params and u not in fixed]
+        if (e is None or e.primitive.name not in _REMADE or v not in size
+                or any(size.get(u, float("inf")) > size[v] for u in ins)):
+            return {v}
+        return set().union(*(roots(u, seen) for u in ins)) if ins else set()
+
+    kept = [v for v in dict.fromkeys(jaxpr.outvars[1:]) if not isinstance(v, jc.Literal)]
+    made_of = {r: roots(r, set()) for r in kept}
+    made_of = {r: found for r, found in made_of.items() if found != {r} and all(v in size for v in found)}
+    stash = set(kept)
+    while True:  # the move that saves most: a residual's roots kept, every residual they make again dropped
+        best, gain = None, 0
+        for found in map(frozenset, made_of.values()):
+            added = found - stash
+            dropped = {r for r, f in made_of.items() if r in stash and r not in added and f <= (stash | added) - {r}}
+            saved = sum(size[r] for r in dropped) - sum(size[v] for v in added)
+            if saved > gain:
+                best, gain = (added, dropped), saved
+        if best is None:
+            break
+        stash = (stash | best[0]) - best[1]
+    if stash == set(kept):
+        return None
+    new = [v for v in [*kept, *sorted(stash - set(kept), key=str)] if v in stash]
+    lean = pruned(fwd.replace(jaxpr=jaxpr.replace(outvars=[jaxpr.outvars[0], *new])), [True] * len(jaxpr.invars))[0]
+    again = _needed(jaxpr.eqns, list(jaxpr.outvars[1:]), have=set(new) | params)
+    consts = dict(zip(jaxpr.constvars, fwd.consts, strict=True))
+
+    def backward(*args):
+        env = consts | dict(zip(jaxpr.invars[:n], args[:n], strict=True))
+        env |= dict(zip(new, args[n:n + len(new)], strict=True))
+        res = run_equations(again, env, list(jaxpr.outvars[1:]))
+        return jax.core.eval_jaxpr(bwd.jaxpr, bwd.consts, *args[:n], *res, args[-1])
+
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in [*jaxpr.invars[:n], *new]]
+    dy = jax.ShapeDtypeStruct(jaxpr.outvars[0].aval.shape, jaxpr.outvars[0].aval.dtype)
+    return lean, jax.make_jaxpr(backward)(*avals, dy), tuple(placed[v] for v in new)
+
+
 def _merged(jaxpr: jc.Jaxpr) -> jc.Jaxpr:
     """``jaxpr`` with each equation that repeats an earlier one (the same primitive and params on the same inputs,
     no effects) dropped and its outputs read from the earlier one's. Each ``nnx.Linear`` casts its input to the
@@ -423,13 +500,13 @@ def _merged(jaxpr: jc.Jaxpr) -> jc.Jaxpr:
     return jaxpr.replace(eqns=eqns, outvars=outvars)
 
 
-def _needed(eqns: list, outs: list) -> list:
-    """The equations of ``eqns`` that ``outs`` need, in order."""
-    need, kept = set(outs), []
+def _needed(eqns: list, outs: list, have: set = frozenset()) -> list:
+    """The equations of ``eqns`` that ``outs`` need, in order, given the values ``have``."""
+    need, kept = set(outs) - have, []
     for e in reversed(eqns):
         if need.intersection(e.outvars):
             kept.append(e)
-            need.update(v for v in e.invars if not isinstance(v, jc.Literal))
+            need.update(v for v in e.invars if not isinstance(v, jc.Literal) and v not in have)
     return kept[::-1]
 
 
@@ -576,3 +653,10 @@ def _routes(sched) -> dict[str, tuple[tuple, np.ndarray]]:
         out[direction] = routes, index.reshape(-1).astype(np.int32)
     return out
 
+
+# what a backward unit may run again to make a residual it was not given: elementwise work, casts, layout changes,
+# reductions, a constraint's move (``_lightened``)
+_REMADE = frozenset({"add", "sub", "mul", "div", "neg", "exp", "log", "tanh", "logistic", "max", "min", "abs", "sqrt",
+                     "rsqrt", "square", "integer_pow", "pow", "select_n", "convert_element_type", "broadcast_in_dim",
+                     "reshape", "squeeze", "expand_dims", "transpose", "eq", "ne", "lt", "le", "gt", "ge", "erf",
+                     "sign", "exp2", "log1p", "expm1", "copy", "reduce_sum", "reduce_max", "jshard_constrain"})

@@ -19,6 +19,7 @@ placements and is planned on its own mesh (axes are named by their place in the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import time
@@ -229,10 +230,11 @@ def _autoplan_chips(make, chips, loss_fn, batch, tx, budget, styles, runners_up,
     candidates = _factorings(model, chips, styles, batch, _depth(model, blocks), hardware,
                              _expert_count(model) if experts else 0)
     priced, rejected = _priced(model, blocks, tensor, loss_fn, batch, tx, hardware, candidates)
-    if blocks is not None:  # those over the budget again, their blocks recomputing
+    if blocks is not None:  # those over the budget again, their blocks recomputing, or accumulating gradients
+        over = [p for p in priced if p.memory.total > budget]
         again = [(AbstractMesh(p.mesh_shape, p.axis_names), p.roles,
-                  {"remat": True, "microbatches": p.detail["microbatches"]}) for p in priced
-                 if p.memory.total > budget]
+                  {"remat": True, "microbatches": p.detail["microbatches"]}) for p in over]
+        again += [a for a in map(functools.partial(_accumulating, batch), over) if a is not None]
         more, refused = _priced(model, blocks, tensor, loss_fn, batch, tx, hardware, again)
         priced, rejected = priced + more, rejected + refused
     if not priced:
@@ -245,6 +247,24 @@ def _autoplan_chips(make, chips, loss_fn, batch, tx, budget, styles, runners_up,
     best, rest = fits[0], tuple(fits[1:1 + runners_up])
     return dataclasses.replace(best, runners_up=rest, rejected=tuple(rejected), budget=budget,
                                solve_s=time.perf_counter() - start)
+
+
+def _accumulating(batch: tuple, plan: Plan) -> tuple[AbstractMesh, dict, dict] | None:
+    """``plan`` (without a pipeline) accumulating its gradients over one sequence a data-parallel replica at a time:
+    its blocks a pipeline of one stage, on a ``pp`` axis of size 1 after the data axes (Megatron-LM's micro-batches);
+    None where it has a pipeline or a replica holds one sequence already."""
+    if "pp" in plan.roles.values():
+        return None
+    rows = min((b.shape[0] for b in batch if b.shape), default=1)
+    data = math.prod(n for a, n in zip(plan.axis_names, plan.mesh_shape, strict=True)
+                     if plan.roles[a] in BATCH_ROLES)
+    if rows // data < 2:
+        return None
+    at = next((i for i, a in enumerate(plan.axis_names) if plan.roles[a] not in BATCH_ROLES), len(plan.axis_names))
+    names = (*plan.axis_names[:at], "pp", *plan.axis_names[at:])
+    shape = (*plan.mesh_shape[:at], 1, *plan.mesh_shape[at:])
+    roles = {a: "pp" if a == "pp" else plan.roles[a] for a in names}
+    return AbstractMesh(shape, names), roles, {"microbatches": rows // data}
 
 
 def _factorings(model, chips: int, styles: tuple, batch: tuple, depth: int, hardware: Hardware,

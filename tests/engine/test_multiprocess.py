@@ -16,9 +16,10 @@ crossing the processes) and pipelined (pp x dp x tp with one stage on each proce
 stage's blocks, and the schedule's activations and input gradients pass between the processes), against one
 device; checkpoints saved across the processes restore into other layouts and meshes, and the tensor-parallel and
 pipelined runs resume from one under another layout (the pipelined one with its stages inside each process) with
-the uninterrupted run's losses (the newest releases' share of the suite leaves the pipelined, autoplanned and resumed
-GPTs to the floor's). Here: both exit 0 within a hard timeout, every check passed, and the two processes
-computed bitwise-equal losses, gradients and reduced values.
+the uninterrupted run's losses (the suite's floor share trains the autoplanned, pipelined and resumed GPTs, its
+newest share the model patterns and the context-parallel one; the tensor-parallel GPT both). Here: both exit 0
+within a hard timeout, every check passed, and the two processes computed bitwise-equal losses, gradients and
+reduced values.
 
 One launch of both workers does everything (a few seconds of compilation on each); the test never waits on a
 worker past ``TIMEOUT``: when one fails or time runs out, both are killed and the failing one's stderr is shown.
@@ -45,7 +46,7 @@ def run_workers(tmp) -> tuple[list[int | None], list[str], list[dict | None], fl
     """Launch both workers; return their exit codes (None: killed), stderr tails, result files and the wall time."""
     logs = [(str(tmp / f"worker{i}.out"), str(tmp / f"worker{i}.err")) for i in range(2)]
     t0 = time.monotonic()
-    share = "newest" if os.environ.get("JSHARD_SUITE") == "newest" else "all"  # see the worker's SHARE
+    share = os.environ.get("JSHARD_SUITE") if os.environ.get("JSHARD_SUITE") in ("floor", "newest") else "all"
     codes = launch(lambda i, port: [sys.executable, WORKER, str(i), str(port), str(tmp / f"result{i}.json"), share],
                    processes=2, devices=4, timeout=TIMEOUT, logs=logs, cwd=ROOT)
     wall = time.monotonic() - t0
@@ -85,9 +86,11 @@ def test_two_processes_of_four_cpu_devices(tmp_path):
                 if a[kind].get(name) != b[kind].get(name):
                     problems.append(f"{kind} {name!r} differ between the processes: {a[kind].get(name)} vs "
                                     f"{b[kind].get(name)}")
-        pipelined = ("gpt_pp_across", "gpt_pp_within_resumed") if os.environ.get("JSHARD_SUITE") != "newest" else ()
+        suite = os.environ.get("JSHARD_SUITE")  # the worker's SHARE: each GPT but one on one release
+        pipelined = ("gpt_pp_across", "gpt_pp_within_resumed") if suite != "newest" else ()
+        patterns = ("gpt_scanned", "gpt_explicit", "gpt_moe", "gpt_cp8_ring") if suite != "floor" else ()
         for name in ("mlp/2x4", "mlp/4x2", "mlp/8", "attention/cp8/ring", "attention/cp8/ring_causal", "gpt",
-                     "gpt_cp8_ring", *pipelined):
+                     *patterns, *pipelined):
             if name not in a["losses"]:
                 problems.append(f"no {name} loss recorded")
     assert not problems, "\n".join(problems)

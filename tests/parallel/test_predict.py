@@ -183,6 +183,24 @@ def test_a_toy_prediction_on_the_measured_devices_is_near_its_measured_step():
     assert p.step_s == pytest.approx(measured, rel=0.25), (p.step_s, measured)
 
 
+def test_autoplan_accumulates_gradients_where_a_whole_batch_does_not_fit():
+    """A plan over the budget is priced again accumulating its gradients over one sequence a data-parallel replica
+    at a time (Megatron-LM's micro-batches: a pipeline of one stage), which holds one microbatch's activations."""
+    ids = jax.ShapeDtypeStruct((64, 128), jnp.int32)
+    make = _make(seq=128)
+    whole = predict(make, _loss, ids, ids, hardware=Hardware.h100(), roles={"fsdp": 8})
+    split = predict(make, _loss, ids, ids, hardware=Hardware.h100(), roles={"fsdp": 8}, microbatches=8)
+    assert split.memory.total < whole.memory.total
+    plan = autoplan(make, 8, _loss, ids, ids, hardware=Hardware.h100(), styles=("fsdp",),
+                    memory_budget=int(split.memory.total * 1.01), runners_up=4)
+    found = [p for p in (plan, *plan.runners_up) if "pp" in p.axis_names]
+    assert found, [p.name for p in (plan, *plan.runners_up)]
+    (p,) = found
+    assert dict(zip(p.axis_names, p.mesh_shape, strict=True)) == {"fsdp": 8, "pp": 1}
+    assert p.detail["microbatches"] == 8 and p.memory.total == split.memory.total
+    assert any(name.startswith("fsdp8") and "budget" in why for name, why in plan.rejected)
+
+
 def test_autoplan_lays_out_a_chip_count():
     """Given a chip count, autoplan chooses the factoring itself: the plan says the mesh to build (the tensor axis
     innermost, inside a node), carries its prediction's figures, fits the chip's HBM, and explains the runners-up;
