@@ -39,7 +39,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jshard.gpt import GPT, cross_entropy, llama3  # noqa: E402
-from jshard.parallel import Hardware, predict  # noqa: E402
+from jshard.parallel import Hardware, autoplan, predict  # noqa: E402
 from report import write_json  # noqa: E402
 
 
@@ -118,6 +118,18 @@ def measure(run: Run) -> dict:
                 explain=p.explain())
 
 
+def planned(run: Run, row: dict) -> dict:
+    """autoplan's plan for ``run``'s model, batch, chips and hardware, its figures beside the published layout's."""
+    ids = jax.ShapeDtypeStruct((run.batch, run.seq), jnp.int32)
+    plan = autoplan(run.make, row["chips"], _loss, ids, ids, hardware=run.hardware,
+                    styles=("dp", "fsdp", "zero", "sp", "pp"))
+    mesh = jax.sharding.AbstractMesh(plan.mesh_shape, plan.axis_names)
+    tensor = [a for a in plan.axis_names if plan.roles[a] in ("sp", "tp")]
+    return dict(plan=plan.name, mfu=plan.mfu, gib=plan.memory.total / 2**30, solve_s=plan.solve_s,
+                fits=plan.memory.total <= run.hardware.hbm_bytes,
+                tensor_in_node=all(run.hardware.level(mesh, a) == "intra" for a in tensor), explain=plan.explain())
+
+
 def _with(run: Run, efficiency: float, overlap: float) -> Run:
     """``run`` on its hardware with the two constants changed (its tensor axes' overlap with the data axes', where
     the run overlaps them)."""
@@ -159,6 +171,9 @@ def main():
     ap.add_argument("--rows", default="", help="comma-separated row names (default: all)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "published.json"))
     ap.add_argument("--explain", action="store_true", help="print each prediction's explain()")
+    ap.add_argument("--autoplan", action="store_true", help="also plan each row's model on its chips and hardware "
+                    "(autoplan, its batch, the data axis as dp, fsdp or zero) and print its plan against the published "
+                    "configuration's prediction")
     ap.add_argument("--fit", action="store_true", help="fit Hardware's efficiency and overlap on every other row "
                     "(the first, third, ...), then price every row with them (the others held out)")
     args = ap.parse_args()
@@ -183,6 +198,12 @@ def main():
               f"{row['memory_gib']:>6.1f}/{row['hbm_gib']:<4.0f} {row['priced_in_s']:>8.1f}")
         if args.explain:
             print(row["explain"])
+        if args.autoplan:
+            row["autoplan"] = planned(run, row)
+            a = row["autoplan"]
+            print(f"{'  autoplan':<24} {a['plan']:<40} MFU {a['mfu']:.1%} ({a['mfu'] / row['mfu'] - 1:+.1%} on the "
+                  f"published layout's), {a['gib']:.1f} GiB, tensor axis in a node: {a['tensor_in_node']}, "
+                  f"solved in {a['solve_s']:.0f} s")
     errors = [abs(r["error"]) for r in rows]
     mae = sum(errors) / len(errors)
     worst = max(errors)

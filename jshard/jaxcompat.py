@@ -58,9 +58,9 @@ from jax.extend import source_info_util
 from jax.interpreters import ad, batching, mlir
 from jax.interpreters import partial_eval as pe
 
-__all__ = ["Scan", "While", "ad", "batching", "cond_branches", "constructing", "inlined_call", "is_sharding_type_error",
-           "jc", "lowered", "mlir", "open_jaxpr", "pruned", "register_array_type", "run_equations", "scan_params",
-           "source_info_util", "while_params"]
+__all__ = ["Scan", "While", "ad", "batching", "cond_branches", "constructing", "flattened", "inlined_call",
+           "is_sharding_type_error", "jc", "lowered", "mlir", "open_jaxpr", "pruned", "register_array_type",
+           "run_equations", "scan_params", "source_info_util", "while_params"]
 
 # calls whose body runs as it is, by the param holding the body: the engine follows them inline (autodiff
 # already happened when the jaxpr was traced); ``remat2`` is ``jax.checkpoint``, named ``checkpoint`` in the
@@ -173,6 +173,25 @@ def run_equations(eqns: list, env: dict, outvars: list) -> list:
             out = e.primitive.bind(*map(read, e.invars), **e.primitive.get_bind_params(e.params))
         env.update(zip(e.outvars, out if e.primitive.multiple_results else [out], strict=True))
     return [read(v) for v in outvars]
+
+
+def flattened(closed: jc.ClosedJaxpr) -> jc.ClosedJaxpr:
+    """``closed`` with every call the engine follows inline (``inlined_call``: ``jit``, ``custom_jvp_call``, ...)
+    replaced by its body's equations, so that each value it computes is one of its own (a primal computation: a
+    custom rule's derivative is not kept)."""
+    def run(jaxpr, consts, *args):
+        env = dict(zip(jaxpr.constvars, consts, strict=True)) | dict(zip(jaxpr.invars, args, strict=True))
+        read = lambda v: v.val if isinstance(v, jc.Literal) else env[v]  # noqa: E731
+        for e in jaxpr.eqns:
+            body = inlined_call(e)
+            if body is None:
+                run_equations([e], env, [])
+                continue
+            inner = body if isinstance(body, jc.ClosedJaxpr) else jc.ClosedJaxpr(body, ())
+            env.update(zip(e.outvars, run(inner.jaxpr, inner.consts, *map(read, e.invars)), strict=True))
+        return [read(v) for v in jaxpr.outvars]
+
+    return jax.make_jaxpr(lambda *args: run(closed.jaxpr, closed.consts, *args))(*closed.in_avals)
 
 
 def pruned(closed: jc.ClosedJaxpr, keep: list[bool]) -> tuple[jc.ClosedJaxpr, list[bool]]:

@@ -59,10 +59,11 @@ from ..engine.constrain import constrain_p, hidden_axis
 from ..engine.kernel import local_function
 from ..engine.program import tracing_mesh
 from ..engine.walk import Body, control, move_cost, plan_jaxpr
-from ..jaxcompat import jc, mlir, open_jaxpr, pruned, run_equations, source_info_util
+from ..jaxcompat import flattened, jc, mlir, open_jaxpr, pruned, run_equations, source_info_util
 from ..placements import Partial, Placement, Replicate, Shard, StridedShard, shift_dims
 from ..planner import model_in_force
 from ..propagate import Choice
+from ..rules.elementwise import ELEMENTWISE
 from ..rules.registry import Rule
 from ..spec import Spec, format_mesh
 from .schedule import SCHEDULES, make_schedule
@@ -267,7 +268,8 @@ def plan_pipeline(eqn: jc.JaxprEqn, specs: list[Spec], mesh: Mesh) -> tuple[Choi
     lighter = _lightened(fwd_jaxpr, fwd, layer + [x], bwd_jaxpr, n)
     if lighter is not None:  # each residual kept as the first plan laid it out
         fwd_jaxpr, bwd_jaxpr, kept = lighter
-        fwd = plan_jaxpr(_pinned(fwd_jaxpr, ((None,) * len(sub.axis_names), *kept)), layer + [x], sub)
+        free = (None,) * len(sub.axis_names)
+        fwd = plan_jaxpr(_pinned(fwd_jaxpr, (free, *(free if p is None else p for p in kept))), layer + [x], sub)
     ins_x0 = _outer(x, mesh, ax, Replicate(), stack=m)
     res = list(fwd.out_specs[1:])  # the residuals a stage stashes, as the forward unit makes them
     bwd = plan_jaxpr(_pinned(bwd_jaxpr, _gradient_pins(layer)), layer + res + [x], sub)
@@ -375,7 +377,7 @@ def _forward_and_backward(closed: jc.ClosedJaxpr, tree: Any, n: int) -> tuple[jc
     *stashed)`` returns the residuals that depend on the layer's input: a stage keeps them per microbatch and layer
     until the backward unit ``(*params, *stashed, dy) -> (*d params, dx)`` reads them; that unit makes the other
     residuals again from the parameters (a weight cast to the compute dtype is never kept per microbatch)."""
-    jaxpr, consts = open_jaxpr(closed)
+    jaxpr, consts = open_jaxpr(flattened(closed))  # a call's values its own: each kept or made again alone
     jaxpr = _merged(jaxpr)
     varying = {jaxpr.invars[n]}
     for e in jaxpr.eqns:
@@ -409,7 +411,7 @@ def _lightened(fwd: jc.ClosedJaxpr, plan: Any, ins: list[Spec], bwd: jc.ClosedJa
                n: int) -> tuple[jc.ClosedJaxpr, jc.ClosedJaxpr, tuple] | None:
     """The forward and backward units with each residual the stage would keep replaced by what makes it again
     cheaply, where that is smaller as the forward unit's ``plan`` lays it out, and the placements the plan gave
-    the residuals now kept; None where none is replaced.
+    the residuals now kept (None for one it does not show); None where none is replaced.
 
     A residual made by equations the backward unit may run again (``_REMADE``: elementwise, casts, layout, a
     constraint's move), none of them reading an operand larger than what it makes, is made again there from their
@@ -473,7 +475,7 @@ def _lightened(fwd: jc.ClosedJaxpr, plan: Any, ins: list[Spec], bwd: jc.ClosedJa
 
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in [*jaxpr.invars[:n], *new]]
     dy = jax.ShapeDtypeStruct(jaxpr.outvars[0].aval.shape, jaxpr.outvars[0].aval.dtype)
-    return lean, jax.make_jaxpr(backward)(*avals, dy), tuple(placed[v] for v in new)
+    return lean, jax.make_jaxpr(backward)(*avals, dy), tuple(placed.get(v) for v in new)
 
 
 def _merged(jaxpr: jc.Jaxpr) -> jc.Jaxpr:
@@ -654,9 +656,7 @@ def _routes(sched) -> dict[str, tuple[tuple, np.ndarray]]:
     return out
 
 
-# what a backward unit may run again to make a residual it was not given: elementwise work, casts, layout changes,
+# what a backward unit may run again to make a residual it was not given: elementwise work, layout changes,
 # reductions, a constraint's move (``_lightened``)
-_REMADE = frozenset({"add", "sub", "mul", "div", "neg", "exp", "log", "tanh", "logistic", "max", "min", "abs", "sqrt",
-                     "rsqrt", "square", "integer_pow", "pow", "select_n", "convert_element_type", "broadcast_in_dim",
-                     "reshape", "squeeze", "expand_dims", "transpose", "eq", "ne", "lt", "le", "gt", "ge", "erf",
-                     "sign", "exp2", "log1p", "expm1", "copy", "reduce_sum", "reduce_max", "jshard_constrain"})
+_REMADE = ELEMENTWISE | {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "reduce_sum",
+                         "reduce_max", "reduce_min", "jshard_constrain"}

@@ -318,13 +318,16 @@ def _expert_count(model) -> int:
 
 
 def _data_splits(data: int, styles: tuple, state: float, hbm: int) -> list[list[tuple[str, int]]]:
-    """How the data axis's ``data`` chips split, outermost first: all ``fsdp``; all ``dp`` where the model's state
-    (``state`` bytes a chip before it) fits a chip replicated; and HSDP, ``dp`` across groups of ``fsdp`` (the
+    """How the data axis's ``data`` chips split, outermost first: all ``fsdp``; all ``zero`` where named; all ``dp``
+    where the model's state (``state`` bytes a chip before it) fits a chip replicated; and HSDP, ``dp`` across
+    groups of ``fsdp`` (the
     smallest group whose share of the state takes at most half a chip, and twice and four times it), which keeps
     FSDP's gathers within a group on thousands of chips."""
     if data == 1:
         return [[("dp", 1)]]
     out = [[("fsdp", data)]] if "fsdp" in styles else []
+    if "zero" in styles:  # Megatron-LM's distributed optimizer: the state sharded, the parameters gathered once
+        out.append([("zero", data)])
     if "dp" in styles and state <= hbm:
         out.append([("dp", data)])
     if {"dp", "fsdp"} <= set(styles):

@@ -55,7 +55,7 @@ __all__ = ["IDENTITY", "COMPLEX_PARTS", "NEGATION", "NON_DECREASING", "NON_INCRE
            "DOMAIN_LIMITED_DECREASING", "BITWISE_NOT", "INTEGER_POW", "UNARY_PLAIN", "ADDITIVE",
            "SUBTRACTIVE", "COMPLEX", "MULTIPLICATIVE", "DIVISION", "SHIFT_LEFT", "NON_DECREASING_IN_FIRST",
            "SHIFT_RIGHT_LOGICAL", "MAXIMUM", "MINIMUM", "INCOMPLETE_GAMMA", "INCOMPLETE_GAMMA_COMPLEMENT",
-           "BINARY_PLAIN"]
+           "BINARY_PLAIN", "ELEMENTWISE"]
 
 # What a class keeps beyond the shards: ``keeps(ins, outs, params)`` lists tuples ``(out, operands...)``.
 _Keeps = Callable[[Sequence[Any], Sequence[Any], dict], list[tuple]]
@@ -295,6 +295,9 @@ def _elementwise(keeps: _Keeps) -> Callable:
 
 for _names, _keeps in _UNARY + _BINARY + _OTHERS:
     register(*_names)(_elementwise(_keeps))
+
+# every primitive ruled here: each output element made from its operands' at the same index
+ELEMENTWISE = frozenset(name for names, _ in _UNARY + _BINARY + _OTHERS for name in names)
 
 
 @register("bitcast_convert_type")
