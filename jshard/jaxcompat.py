@@ -191,6 +191,8 @@ def flattened(closed: jc.ClosedJaxpr) -> jc.ClosedJaxpr:
             env.update(zip(e.outvars, run(inner.jaxpr, inner.consts, *map(read, e.invars)), strict=True))
         return [read(v) for v in jaxpr.outvars]
 
+    if all(inlined_call(e) is None for e in closed.jaxpr.eqns):
+        return closed
     return jax.make_jaxpr(lambda *args: run(closed.jaxpr, closed.consts, *args))(*closed.in_avals)
 
 

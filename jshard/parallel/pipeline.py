@@ -135,19 +135,15 @@ def value_and_grad_read(layer: Callable, tail: Callable, stacked: Any, other: An
         res, saved["tree"] = jax.tree.flatten(pull)
         return (y, *res)
 
-    def all_of_other(read, unread):
-        it, other = iter(read), iter(unread)
-        return jax.tree.unflatten(o_tree, [next(it) if r else next(other) for r in reads])
-
-    def last(read, unread, x, *s):  # the gradients of the leaves of other the tail reads
-        def mean_part(read, x):
-            loss = tail(all_of_other(read, unread), x, *s)
+    def last(o, x, *s):
+        def mean_part(o, x):
+            loss = tail(jax.tree.unflatten(o_tree, o), x, *s)
             if getattr(loss, "shape", None) != () or not jnp.issubdtype(loss.dtype, jnp.floating):
                 raise TypeError(f"pipeline: the tail returned {getattr(loss, 'dtype', type(loss).__name__)}"
                                 f"{list(getattr(loss, 'shape', ()))}; it must return a float scalar loss")
             return loss / m
 
-        loss, (do, dx) = jax.value_and_grad(mean_part, argnums=(0, 1))(read, x)
+        loss, (do, dx) = jax.value_and_grad(mean_part, argnums=(0, 1))(o, x)
         return (loss, *do, dx)
 
     mesh = tracing_mesh()
@@ -161,15 +157,13 @@ def value_and_grad_read(layer: Callable, tail: Callable, stacked: Any, other: An
         fwd, bwd = _forward_and_backward(jax.make_jaxpr(saving)(layer_avals, x_aval), saved["tree"], len(leaves))
         # a leaf of other the tail's loss never reads (the embedding, read before the layers) takes no part in it:
         # its gradient there, zeros of its whole shape, would be made and accumulated for every microbatch
-        loss_only = jax.make_jaxpr(lambda o, x, *s: tail(jax.tree.unflatten(o_tree, o), x, *s))(
-            o_avals, x_aval, *side_avals)
-        reads = pruned(loss_only, [True] * len(loss_only.jaxpr.invars))[1][:len(o_avals)]
-        read_avals = [a for a, r in zip(o_avals, reads, strict=True) if r]
-        tl = jax.make_jaxpr(last)(read_avals, [a for a, r in zip(o_avals, reads, strict=True) if not r], x_aval,
-                                  *side_avals)
-        tl, used = pruned(tl, [i < len(read_avals) or i >= len(o_avals) for i in range(len(tl.jaxpr.invars))])
-        if any(used[len(read_avals):len(o_avals)]):
-            raise AssertionError("pipeline: the tail's gradient reads a leaf its loss does not")
+        tl = jax.make_jaxpr(last)(o_avals, x_aval, *side_avals)
+        k = len(o_avals)
+        reads = pruned(tl, [True] * len(tl.jaxpr.invars))[1][:k]  # an unread leaf's gradient reads nothing
+        outs = tl.jaxpr.outvars
+        tl = tl.replace(jaxpr=tl.jaxpr.replace(outvars=[outs[0], *(v for v, r in zip(outs[1:1 + k], reads,
+                                                                                     strict=True) if r), outs[-1]]))
+        tl = pruned(tl, [*reads, *[True] * (len(tl.jaxpr.invars) - k)])[0]
     make_schedule(schedule, p, m, virtual_stages)  # the schedule's own errors, before the program is planned
     if not set(whole) <= set(mesh.axis_names) - {axis}:
         raise ValueError(f"pipeline: whole={tuple(whole)!r} names axes that are not the other axes of the mesh "
@@ -462,9 +456,17 @@ def _lightened(fwd: jc.ClosedJaxpr, plan: Any, ins: list[Spec], bwd: jc.ClosedJa
         stash = (stash | best[0]) - best[1]
     if stash == set(kept):
         return None
-    new = [v for v in [*kept, *sorted(stash - set(kept), key=str)] if v in stash]
+    new = tuple(v for v in [*kept, *sorted(stash - set(kept), key=str)] if v in stash)
+    return (*_rebuilt(fwd, bwd, n, new), tuple(placed.get(v) for v in new))
+
+
+@functools.lru_cache(maxsize=64)
+def _rebuilt(fwd: jc.ClosedJaxpr, bwd: jc.ClosedJaxpr, n: int, new: tuple) -> tuple[jc.ClosedJaxpr, jc.ClosedJaxpr]:
+    """The forward unit keeping ``new`` (values of its jaxpr) and the backward unit making its old residuals again
+    from them (``_lightened``), once for every candidate plan that keeps the same (a search prices dozens)."""
+    jaxpr = fwd.jaxpr
     lean = pruned(fwd.replace(jaxpr=jaxpr.replace(outvars=[jaxpr.outvars[0], *new])), [True] * len(jaxpr.invars))[0]
-    again = _needed(jaxpr.eqns, list(jaxpr.outvars[1:]), have=set(new) | params)
+    again = _needed(jaxpr.eqns, list(jaxpr.outvars[1:]), have=set(new) | set(jaxpr.invars[:n]))
     consts = dict(zip(jaxpr.constvars, fwd.consts, strict=True))
 
     def backward(*args):
@@ -475,7 +477,7 @@ def _lightened(fwd: jc.ClosedJaxpr, plan: Any, ins: list[Spec], bwd: jc.ClosedJa
 
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in [*jaxpr.invars[:n], *new]]
     dy = jax.ShapeDtypeStruct(jaxpr.outvars[0].aval.shape, jaxpr.outvars[0].aval.dtype)
-    return lean, jax.make_jaxpr(backward)(*avals, dy), tuple(placed.get(v) for v in new)
+    return lean, jax.make_jaxpr(backward)(*avals, dy)
 
 
 def _merged(jaxpr: jc.Jaxpr) -> jc.Jaxpr:
