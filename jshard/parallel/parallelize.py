@@ -84,7 +84,8 @@ def parallelize(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh,
     values are exactly those of the eager single-device construction. A built module is fine for small models: its
     parameters are distributed from where they are.
 
-    ``plan``: ``{module path pattern: style or [styles]}``, or a ``Plan`` found by ``autoplan`` (every pattern
+    ``plan``: ``{module path pattern: style or [styles]}``, or a ``Plan`` found by ``autoplan`` (with its blocks
+    recomputing their activations where it says ``remat``; every pattern
     matching a module applies to it, its styles on different mesh axes composing; two that give one module
     different styles on one mesh axis are refused as a conflict; ``""`` is the model itself; ``*`` also matches
     ``/``; a ``FullyShard`` also takes the parameters of the modules inside its own, gathering them together);
@@ -118,6 +119,7 @@ def parallelize(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh,
     if not isinstance(model, nnx.Module):
         build = _traced(model)
         model = build.module
+    remat = isinstance(plan, Plan) and plan.detail.get("remat") and "pp" not in plan.roles.values()
     if isinstance(plan, Plan):  # autoplan's: its styles and default together
         plan, default = plan.styles, (*plan.default, *_styles(default, "default="))
     plan = _plan(plan)
@@ -130,6 +132,10 @@ def parallelize(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh,
     stacks = _stacks(params, rebuilds)
     values = _build(model, build, mesh, params, stacks)
     _install(matched, params, values, units, rebuilds)
+    if remat:  # the blocks recompute as the plan was priced (a pipeline's do by its style)
+        from .roles import recompute_blocks
+
+        recompute_blocks(model)
     return model
 
 

@@ -257,6 +257,17 @@ def cut_model(model: nnx.Module, path: tuple | None, depth: int, remat: bool = F
     return copy
 
 
+def recompute_blocks(model: nnx.Module) -> nnx.Module:
+    """``model`` (changed in place) with every block of its list of identical blocks (``repeated``) recomputing
+    its activations in the backward pass (``nnx.remat`` around each call: the step keeps a block's input), as a
+    ``Plan`` with ``remat`` and no pipeline was priced; a model without such a list is returned as it is."""
+    path = repeated(model)
+    if path is not None:
+        for block in module_at(model, path):
+            block.__class__ = _scoped(type(block), scope=False, remat=True)
+    return model
+
+
 BLOCK_SCOPE = "jshard_autoplan_block"
 
 

@@ -154,6 +154,30 @@ def test_microbatches_without_a_pipeline_accumulate_gradients():
     assert split.model_flops == whole.model_flops
 
 
+def test_a_plan_that_recomputes_its_blocks_builds_a_model_that_does():
+    """A ``Plan`` priced with ``remat`` and no pipeline: ``parallelize`` has its blocks recompute their activations
+    (the step runs their forward matmuls again in the backward pass) and the model trains as the plan without it
+    does."""
+    mesh = make_mesh((2, 4))
+    ids = jax.ShapeDtypeStruct((32, 64), jnp.int32)
+    make = _make(layers=4, dim=128, seq=64)
+    plans = {r: predict(make, _loss, ids, ids, hardware=Hardware.h100(), roles={"dp": 2, "tp": 4}, remat=r).plan
+             for r in (None, "block")}
+    assert plans["block"].memory.activations < plans[None].memory.activations
+    rng = np.random.default_rng(0)
+    batch = rng.integers(0, VOCAB, (32, 64)).astype(np.int32)
+    matmuls, losses = {}, {}
+    for r, plan in plans.items():
+        step = TrainStep(parallelize(make, mesh, plan), optax.adamw(1e-3), _loss)
+        args = [jshard.distribute(batch, mesh, list(pl)) for pl in plan.batch]
+        matmuls[r] = sum(row["primitive"] == "dot_general" for row in step.explain(*args).rows)
+        losses[r] = [float(step(*args).full()) for _ in range(2)]
+    np.testing.assert_allclose(losses["block"], losses[None], rtol=1e-5)
+    # per block the forward matmuls whose outputs the backward pass reads run again: q, k, v, o and up (down's
+    # output, the block's, it does not read)
+    assert matmuls["block"] == matmuls[None] + 5 * 4, matmuls
+
+
 def test_a_pipeline_is_priced_by_its_schedule():
     ids = jax.ShapeDtypeStruct((32, SEQ), jnp.int32)
     p = predict(_make(), _loss, ids, ids, hardware=Hardware.h100(), roles={"dp": 2, "pp": 4}, microbatches=8)
