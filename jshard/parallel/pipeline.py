@@ -168,9 +168,10 @@ def value_and_grad_read(layer: Callable, tail: Callable, stacked: Any, other: An
     if not set(whole) <= set(mesh.axis_names) - {axis}:
         raise ValueError(f"pipeline: whole={tuple(whole)!r} names axes that are not the other axes of the mesh "
                          f"{format_mesh(mesh)}; name those along which the parameters enter whole")
-    if depth % (p * virtual_stages):
+    if (depth % (p * virtual_stages) if virtual_stages > 1 else depth < p):  # one chunk a device may be uneven
         raise ValueError(f"pipeline: {depth} layers do not split into {p} stages x {virtual_stages} virtual stages "
-                         f"on mesh axis {axis!r}; use a layer count that is a multiple of {p * virtual_stages}")
+                         f"on mesh axis {axis!r}; use a layer count that is a multiple of {p * virtual_stages}"
+                         + ("" if virtual_stages > 1 else f", or at least {p}"))
     read = [a for a, r in zip(o_leaves, reads, strict=True) if r]
     out = pipeline_p.bind(*leaves, *read, x0, *side, fwd=fwd, bwd=bwd, tail=tl, axis=axis, kind=schedule,
                           virtual=virtual_stages, counts=(len(leaves), len(read), len(side)), whole=tuple(whole))
@@ -285,7 +286,7 @@ def plan_pipeline(eqn: jc.JaxprEqn, specs: list[Spec], mesh: Mesh) -> tuple[Choi
                      residuals=[(sp.local_block_shape, sp.dtype) for sp in res])
     rule = Rule("jshard_pipeline", strategies=None, communicates=lambda *_: _sends(sched, axis, x),
                 describe=lambda *_: f"{sched!r}\n{sched.table()}")
-    runs = m * depth // p  # each layer's forward and backward once per microbatch
+    runs = m * -(-depth // p)  # each layer's forward and backward once per microbatch (the fullest stage's)
     bodies = (Body("layer forward", fwd, fwd_pins, runs=runs), Body("layer backward", bwd, bwd_pins, runs=runs),
               Body("tail", tail, tail_pins, runs=m))
     model = model_in_force()
@@ -538,7 +539,7 @@ def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Ca
     ``loss_dtype``."""
     n, k, _ = counts
     p, v, slots = sched.stages, sched.virtual_stages, sched.slots
-    per = depth // (p * v)
+    per = -(-depth // (p * v))  # uneven stages (one chunk a device): the last hold fewer, their rows past depth idle
     tables = _tables(sched)
     routes = _routes(sched)
 
@@ -550,21 +551,30 @@ def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Ca
                     for pairs in sets]
         return jax.lax.switch(jnp.asarray(index)[t], branches, x) if len(branches) > 1 else branches[0](x)
 
-    def layers_forward(chunk, x):  # the chunk's output, and each layer's residuals stacked [per, ...]
-        return jax.lax.scan(lambda x, lp: (lambda y, *res: (y, res))(*fwd(*lp, x)), x, chunk)
+    uneven = depth % (p * v) != 0
 
-    def layers_backward(chunk, kept, dy):
+    def layers_forward(chunk, real, x):  # the chunk's output, and each layer's residuals stacked [per, ...]
+        def step(x, lr):
+            idle = lambda: [x, *(jnp.zeros(shape, dtype) for shape, dtype in residuals)]  # noqa: E731
+            out = jax.lax.cond(lr[1], lambda: fwd(*lr[0], x), idle) if uneven else fwd(*lr[0], x)
+            return out[0], out[1:]
+
+        return jax.lax.scan(step, x, (chunk, real))
+
+    def layers_backward(chunk, real, kept, dy):
         def step(dy, lk):
-            *dl, dx = bwd(*lk[0], *lk[1], dy)
+            idle = lambda: [*(jnp.zeros(shape, dtype) for shape, dtype in accumulators[0]), dy]  # noqa: E731
+            *dl, dx = jax.lax.cond(lk[2], lambda: bwd(*lk[0], *lk[1], dy), idle) if uneven else bwd(*lk[0], *lk[1], dy)
             return dx, dl
 
-        dx, dl = jax.lax.scan(step, dy, (chunk, kept), reverse=True)
+        dx, dl = jax.lax.scan(step, dy, (chunk, kept, real), reverse=True)
         return list(dl), dx
 
     def run(*blocks):
         stacked, other, x0, side = blocks[:n], blocks[n:n + k], blocks[n + k], blocks[n + k + 1:]
         chunks = [a.reshape((v, per) + a.shape[1:]) for a in stacked]
         d = jax.lax.axis_index(axis)
+        real = d * per + jnp.arange(per) < depth  # v == 1 where stages are uneven; else every layer is real
         tab = {name: jnp.asarray(t) for name, t in tables.items()}
         buf = jnp.zeros((v, slots) + x0.shape[1:], x0.dtype)
         stash = [jnp.zeros((v, slots, per) + shape, dtype) for shape, dtype in residuals]
@@ -581,7 +591,7 @@ def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Ca
             def forward(c):
                 slot = fm % slots
                 xin = jnp.where(at("first_f", t), x0[fm], c["fin"][fc, slot])
-                y, kept = layers_forward([a[fc] for a in chunks], xin)
+                y, kept = layers_forward([a[fc] for a in chunks], real, xin)
                 c = dict(c, stash=[s.at[fc, slot].set(r) for s, r in zip(c["stash"], kept, strict=True)])
 
                 def loss_of(c):
@@ -596,7 +606,7 @@ def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Ca
 
             def backward(c):
                 slot = bm % slots
-                dl, dx = layers_backward([a[bc] for a in chunks], [s[bc, slot] for s in c["stash"]],
+                dl, dx = layers_backward([a[bc] for a in chunks], real, [s[bc, slot] for s in c["stash"]],
                                          c["bin"][bc, slot])
                 grads = [g.at[bc].add(e) for g, e in zip(c["grads"], dl, strict=True)]
                 dx0 = jnp.where(at("first_b", t), c["dx0"].at[bm].set(dx), c["dx0"])

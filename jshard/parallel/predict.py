@@ -88,11 +88,11 @@ def predict(make: Callable[[], nnx.Module], loss_fn: Callable, *batch: Any, hard
                              f"{type(model).__name__} has no mixture of experts (modules whose weights share a "
                              "leading expert dim); drop 'ep' from roles")
         tensor.update((pattern, "experts") for pattern in found)
-    if "pp" in styles and (blocks is None or len(list(module_at(model, blocks))) % roles["pp"]):
+    if "pp" in styles and (blocks is None or len(list(module_at(model, blocks))) < roles["pp"]):
         depth = 0 if blocks is None else len(list(module_at(model, blocks)))
         raise ValueError(f"predict: roles {roles} pipeline the model over pp={roles['pp']} stages, which needs a list "
-                         f"of identical blocks whose count the stages divide; {type(model).__name__} has "
-                         f"{'none' if blocks is None else f'{depth} blocks'}")
+                         f"of identical blocks, at least one a stage (uneven stages: the last hold fewer); "
+                         f"{type(model).__name__} has {'none' if blocks is None else f'{depth} blocks'}")
     rows, data = batch[0].shape[0] if batch[0].shape else 1, math.prod(n for r, n in roles.items() if r in BATCH_ROLES)
     if "pp" in styles and microbatches is None and pipeline_microbatches(roles["pp"], rows, data) is None:
         raise ValueError(f"predict: roles {roles} pipeline the batch's {rows} rows over pp={roles['pp']} stages, and "

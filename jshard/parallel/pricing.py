@@ -351,7 +351,7 @@ def _pipeline_time(eq, bodies: list[dict], rates: Rates, sizes: dict) -> float:
     depth = eq.choice.ins[0].shape[0]
     m = eq.choice.ins[sum(prm["counts"][:2])].shape[0]
     sched = make_schedule(prm["kind"], p, m, prm["virtual"])
-    layers = depth // (p * prm["virtual"])
+    layers = -(-depth // (p * prm["virtual"]))  # the fullest stage's (uneven stages: the last hold fewer)
     forward, backward, tail = (_unit_us(f, rates) for f in bodies)
     busy = layers * (forward * (sched.forward >= 0) + backward * (sched.backward >= 0))
     busy[:, -1] += tail * (sched.forward[:, -1] >= 0)
@@ -470,7 +470,7 @@ def _pipeline_held(eq) -> int:
     x0 = eq.choice.ins[n + k]
     p = x0.mesh.shape[prm["axis"]]
     sched = make_schedule(prm["kind"], p, x0.shape[0], prm["virtual"])
-    per = eq.choice.ins[0].shape[0] // (p * prm["virtual"])
+    per = -(-eq.choice.ins[0].shape[0] // (p * prm["virtual"]))
     kept = sum(sp.local_bytes for sp in eq.bodies[0].plan.out_specs[1:])  # one layer's residuals, a microbatch
     forward, backward, tail = (_peak(b.plan, {}, _fused(b.plan))(0) for b in eq.bodies)
     bodies = max(forward, backward, tail)  # one at a time: the tail after the forward unit, the backward after both

@@ -219,10 +219,12 @@ def _params_with_owners(module: nnx.Module) -> list[tuple[tuple, nnx.Module, nnx
 
 def _check_depth(style: Any, depth: int, what: str, unit: str, mesh: Mesh) -> None:
     size = mesh.shape[style.axis] * style.virtual_stages
+    if style.virtual_stages == 1 and depth >= size:  # uneven stages: the last ones hold fewer
+        return
     if depth % size:
         raise ValueError(f"parallelize: {style.label} splits {what} into {mesh.shape[style.axis]} stages x "
                          f"{style.virtual_stages} virtual stages; use a {unit} count that is a multiple of {size} "
-                         "(or another axis size)")
+                         "(or another axis size; with one virtual stage, at least as many as the stages)")
 
 
 def blocks_differ(blocks: Sequence[nnx.Module], *, stateless: bool = True) -> str | None:

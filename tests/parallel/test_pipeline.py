@@ -50,7 +50,7 @@ def _sequential(w, b, h, x, y):
         losses = []
         for i in range(M):
             xi = x[i]
-            for j in range(L):
+            for j in range(len(w)):
                 xi = _layer({"w": w[j], "b": b[j]}, xi)
             losses.append(_tail({"h": h}, xi, y[i]))
         return jnp.mean(jnp.stack(losses))
@@ -284,6 +284,27 @@ def test_the_program_permutes_only_the_pairs_that_send(shape, schedule, virtual)
     assert permuted == needed
 
 
+@pytest.mark.parametrize("layers,stages", [(5, 2), (6, 4), (9, 8)], ids=["5-over-2", "6-over-4", "9-over-8"])
+def test_uneven_stages_compute_the_layers_run_one_after_another(layers, stages):
+    """Layers the stages do not divide: the rows past ``L`` of the last stages' blocks (padding) run no layer, so a
+    layer that is not the identity on zeros (``tanh(x @ 0 + 0)`` is 0) leaves the result alone; 9 over 8 (two a
+    stage) leaves three stages none at all."""
+    w, b, h, x, y = _toy()
+    w, b = w[:layers], b[:layers]
+    loss, grads = _sequential(w, b, h, x, y)
+    mesh = jax.make_mesh((stages,), ("pp",), devices=jax.devices()[:stages])
+    args = [jshard.distribute(a, mesh, [Shard(0)]) for a in (w, b)]
+    args += [jshard.distribute(a, mesh, [Replicate()]) for a in (h, x, y)]
+
+    def run(w, b, h, x, y):
+        return pipeline_value_and_grad(_layer, _tail, {"w": w, "b": b}, {"h": h}, x, (y,), axis="pp")
+
+    got, (gs, go, gx) = jshard.jit(run)(*args)
+    np.testing.assert_allclose(float(got.full()), float(loss), rtol=1e-5)
+    for ours, theirs in ((gs["w"], grads[0]), (gs["b"], grads[1]), (go["h"], grads[2]), (gx, grads[3])):
+        np.testing.assert_allclose(np.asarray(ours.full()), theirs, rtol=1e-4, atol=1e-6)
+
+
 # -- the GPT, trained ---------------------------------------------------------------------------------------------
 
 V, W, H, LAYERS, S, B = 64, 32, 4, 4, 16, 8
@@ -355,6 +376,29 @@ def test_a_pipelined_gpt_trains_like_one_device(one_device, shape, names, style,
     p = mesh.shape["pp"]
     assert kernel.shape == (LAYERS, W, W)
     assert kernel.spec.local_block_shape[0] == LAYERS // p  # a stage holds its own blocks, no other's
+
+
+@pytest.mark.parametrize("shape,names,style,layers", [((2, 2, 2), ("pp", "dp", "tp"), "dp+tp", 5),
+                                                      ((4, 2), ("pp", "dp"), "dp", 6)], ids=["5-over-2", "6-over-4"])
+def test_uneven_stages_train_like_one_device(shape, names, style, layers):
+    """Layers the stages do not divide (Llama 3 405B's 126 over 16): each stage holds ``ceil(L / p)`` layers, the
+    last ones fewer (5 over 2: 3 and 2; 6 over 4: 2, 2, 2 and none), their rows past ``L`` idle; training as one
+    device trains the same layers (by SGD: AdamW's first steps blow a gradient's rounding up to a whole step)."""
+    make = lambda: GPT(V, W, H, layers, S, rngs=nnx.Rngs(0))  # noqa: E731
+    one = jax.make_mesh((1,), ("dp",), devices=jax.devices()[:1])
+    ref = TrainStep(parallelize(make, one, {}), optax.sgd(0.5), _loss)
+    want = [float(ref(*[jshard.distribute(a, one, [Replicate()]) for a in b]).full()) for b in _batches()]
+    reference = {k: np.asarray(v.full()) for k, v in _flat(ref.params).items()}
+    mesh = jax.make_mesh(shape, names)
+    plan, default = gpt_plan(style)
+    plan = {**plan, "blocks": PipelineParallel("pp", microbatches=4)}
+    step = TrainStep(parallelize(make, mesh, plan, default=default), optax.sgd(0.5), _loss)
+    batch = [Shard(0) if n == "dp" else Replicate() for n in names]
+    losses = [float(step(*[jshard.distribute(a, mesh, batch) for a in b]).full()) for b in _batches()]
+    np.testing.assert_allclose(losses, want, rtol=2e-5)
+    _stacked_equivalent({k: np.asarray(v.full()) for k, v in _flat(step.params).items()}, reference)
+    kernel = step.model.blocks.layers.q.kernel.get_value()
+    assert kernel.shape == (layers, W, W) and kernel.spec.local_block_shape[0] == -(-layers // shape[0])
 
 
 def test_a_sequence_parallel_stage_keeping_every_activation_trains_like_one_device(one_device):

@@ -102,7 +102,7 @@ def test_the_presets_and_their_overrides():
     (dict(roles={"dp": 0}), ValueError, "maps each role"),
     (dict(roles={"tp": 2, "sp": 2}), ValueError, "two tensor axes"),
     (dict(roles={"dp": 3}), ValueError, "16 rows do not split over the data axes \\(3 ways"),
-    (dict(roles={"pp": 3}), ValueError, "pp=3 stages.*4 blocks"),
+    (dict(roles={"pp": 8}), ValueError, "pp=8 stages.*4 blocks"),
     (dict(roles={"ep": 2}), ValueError, "no mixture of experts"),
     (dict(roles={"dp": 2}, remat="full"), ValueError, "remat is one of"),
     (dict(roles={"dp": 2}, microbatches=0), ValueError, "microbatches=0 is a count of microbatches"),
