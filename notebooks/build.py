@@ -868,17 +868,16 @@ for row in published:
           f"MFU {row['mfu']:.1%}")'''),
     ("md", "## The published configurations, predicted\n"
            "torchtitan's two runs as they ran (FSDP over all the GPUs; their selective checkpointing priced as every "
-           "block recomputed, the nearest `predict` offers, which recomputes more). Llama 3 405B's runs as near as "
-           "jshard prices them: its 126 layers do not split into 16 equal stages, and jshard's pipelines have equal "
-           "stages only, so 14 stages of 9 layers (`pp=14`) with the published TP8 (as `sp`: tensor parallelism with "
-           "the norms sequence parallel) and DP64 or DP128 as `zero` (parameters and optimizer state sharded over "
-           "the data axis, the stages taking theirs whole as the pipeline starts), on 7,168 and 14,336 GPUs, the "
-           "published batch of 2,048 sequences in microbatches of one sequence a replica. A stage keeps every "
-           "layer's residuals as its plan makes them (gathered copies included, where Megatron-LM gathers again) "
-           "for twice the microbatches an asynchronous 1F1B holds, so its memory is far over what the run held "
-           "(`python benchmarks/published.py` prints the same on Megatron-LM's pipelined rows, whose MFU it "
-           "predicts within 10%). The cell checks torchtitan's rows within a factor 1.5 (the issue's target is "
-           "20%) and Llama 3's within a factor 3; the printed error is the figure to read."),
+           "block recomputed, the nearest `predict` offers, which recomputes more). Llama 3 405B's runs in their "
+           "published layout: 16 pipeline stages (its 126 layers uneven over them, 8 a stage and 6 on the last), "
+           "TP8 (as `sp`: tensor parallelism with the norms sequence parallel) and DP64 or DP128 as `zero` "
+           "(parameters and optimizer state sharded over the data axis, the stages taking theirs whole as the "
+           "pipeline starts), on 8,192 and 16,384 GPUs, the published batch of 2,048 sequences in microbatches of "
+           "one sequence a replica. A stage keeps its layers' residuals for twice the microbatches an asynchronous "
+           "1F1B holds, so its memory is over what the run held (`python benchmarks/published.py` prints the same "
+           "on Megatron-LM's deepest pipelines, whose MFU it predicts within 11%). The cell checks torchtitan's rows "
+           "within a factor 1.5 (the issue's target is 20%) and Llama 3's within a factor 3; the printed error is "
+           "the figure to read."),
     ("code", '''print(f"{'run':<46} {'published':>10} {'predicted':>10} {'error':>7} {'GiB a chip':>11}")
 for row in [r for r in published if "tokens" in r]:
     p = titan[row["gpus"]]
@@ -888,13 +887,13 @@ for row in [r for r in published if "tokens" in r]:
     assert abs(error) < 0.5 and p.fits
 as_priced = {}
 for row, dp, micro in ((published[0], 64, 32), (published[1], 128, 16)):
-    p = predict(models["405b"], loss_fn, *batch(2048), hardware=h100, roles={"zero": dp, "pp": 14, "sp": 8},
+    p = predict(models["405b"], loss_fn, *batch(2048), hardware=h100, roles={"zero": dp, "pp": 16, "sp": 8},
                 microbatches=micro)
     as_priced[row["gpus"]] = p
-    label = f"405B zero{dp} x pp14 x sp8, {p.chips:,} GPUs (MFU)"
+    label = f"405B zero{dp} x pp16 x sp8, {p.chips:,} GPUs (MFU)"
     print(f"{label:<46} {row['mfu']:>10.1%} {p.mfu:>10.1%} {p.mfu / row['mfu'] - 1:>+7.0%} "
           f"{p.memory.total / 2**30:>5.0f} of {h100.hbm_bytes / 2**30:.0f}")
-    assert 1 / 3 < p.mfu / row["mfu"] < 3 and p.chips == dp * 14 * 8
+    assert 1 / 3 < p.mfu / row["mfu"] < 3 and p.chips == row["gpus"] == dp * 16 * 8
 print(as_priced[8192].explain())'''),
     ("md", "## MFU against chip count\n"
            "Each model on 8 to 16,384 H100s and on TPU v5p up to 8,192 chips (a v5p pod holds 8,960, one ICI domain), "
@@ -909,8 +908,7 @@ print(as_priced[8192].explain())'''),
            "- every block recomputed in the backward pass (`remat=\"block\"`), as autoplan chooses at these "
            "batches.\n\n"
            "The tensor axis is innermost, so on H100 it stays inside a node (checked with `Hardware.level`, which "
-           "says the link an axis runs on). No pipeline: 405B's 126 layers split into 2 equal stages at most on a "
-           "power-of-two count of chips, and pipelined layouts are where the prediction is furthest off (above)."),
+           "says the link an axis runs on). No pipeline: autoplan, below, weighs those."),
     ("code", '''def layout(size, chips):
     """The batch (sequences of SEQ) and the roles (outermost first) of `size` on `chips` chips."""
     rows = min(2 * chips, 2048) if size == "8b" else min(chips // 8, 2048)
@@ -954,7 +952,7 @@ for size, counts in SWEEP[v5p].items():
           f"{mfu(h100, size, counts[-1]):.1%}")'''),
     ("md", "Left: predicted MFU against chips (solid H100, dashed TPU v5p; a hollow marker is a step predicted over "
            "its chip's HBM), with the published runs: stars Llama 3 405B's, diamonds torchtitan's 8B, crosses Llama "
-           "3's layouts as `predict` prices them (pp=14, above). Right: predicted memory a chip against each chip's "
+           "3's layouts as `predict` prices them (above). Right: predicted memory a chip against each chip's "
            "HBM (the same layout holds the same bytes on either chip, so the dashed lines lie under the solid)."),
     ("code", '''from matplotlib.lines import Line2D
 from matplotlib.ticker import PercentFormatter
@@ -1022,9 +1020,9 @@ assert plans  # at least one searched'''),
            "over 2,048 data replicas starts at 11 hops of 10 µs, not 2,047; a 405B step still runs one for every "
            "weight of each of its 126 layers in each pass, and the cell below prints how much of the step is "
            "inter-node collectives.\n"
-           "- **Pipelines.** Llama 3 trained 405B with 16 pipeline stages; jshard prices equal stages only. On "
-           "Megatron-LM's pipelined rows its MFU is within 10% (`python benchmarks/published.py`), their memory far "
-           "over what those runs held.\n"
+           "- **Pipelines.** On Megatron-LM's pipelined rows the predicted MFU is within 11% (`python "
+           "benchmarks/published.py`); a stage holds its residuals for twice the microbatches of an asynchronous "
+           "1F1B (the lockstep schedule's), so the deepest pipelines are predicted over their chip's HBM.\n"
            "- **Constants and checkpointing.** The share of peak a matmul reaches and the share of the "
            "collectives hidden behind compute are fitted on half the published rows (printed below), and "
            "torchtitan keeps its matmuls' outputs where `predict` recomputes whole blocks: the error on "
