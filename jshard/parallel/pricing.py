@@ -117,9 +117,9 @@ def price(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, hardware: Hard
     micro = microbatches or (pipeline_microbatches(stages[0], min(b.shape[0] for b in batch if b.shape), data)
                              if stages else None)
     rates = Rates(hardware, canonical, canonical_roles)
-    if "compute dtype" not in traces:  # the model is the search's one: read once, not per candidate
-        traces["compute dtype"] = compute_dtype(model)
-    cast = traces["compute dtype"]
+    if ("compute dtype",) not in traces:  # the model is the search's one: read once, not per candidate
+        traces["compute dtype",] = compute_dtype(model)
+    cast = traces["compute dtype",]
     plan, default = styles_of(canonical_roles, tensor, blocks, micro, pricing=True, param_dtype=cast,
                               remat=remat and bool(stages))
     placements = batch_placements(canonical, canonical_roles, batch)

@@ -114,6 +114,18 @@ def test_remat_keeps_each_layers_input_alone_and_either_way_computes_the_same():
     assert len(kept[False]) > 1  # tanh's output too (its derivative), and the input
 
 
+def _units(layer, lp, x):
+    """A layer's forward and backward units, as ``pipeline_value_and_grad`` splits its vjp."""
+    saved = {}
+
+    def saving(lp, x):
+        y, pull = jax.vjp(layer, lp, x)
+        res, saved["tree"] = jax.tree.flatten(pull)
+        return (y, *res)
+
+    return _forward_and_backward(jax.make_jaxpr(saving)(lp, x), saved["tree"], len(lp))
+
+
 def test_a_layer_runs_forward_once_keeping_the_residuals_that_depend_on_its_input():
     """Each layer's forward runs once per microbatch (as ``jax.grad`` runs it): its forward unit returns the vjp's
     residuals made from the layer's input, which the stage keeps for the backward unit; a residual made of the
@@ -124,14 +136,7 @@ def test_a_layer_runs_forward_once_keeping_the_residuals_that_depend_on_its_inpu
     def cast(lp, x):  # the weight cast to the compute dtype: a residual of the parameters alone
         return jnp.tanh((x.astype(jnp.bfloat16) @ lp[0].astype(jnp.bfloat16)).astype(jnp.float32) + lp[1])
 
-    saved = {}
-
-    def saving(lp, x):
-        y, pull = jax.vjp(cast, lp, x)
-        res, saved["tree"] = jax.tree.flatten(pull)
-        return (y, *res)
-
-    fwd, bwd = _forward_and_backward(jax.make_jaxpr(saving)(lp, x[0]), saved["tree"], 2)
+    fwd, bwd = _units(cast, lp, x[0])
     y, *kept = jax.core.eval_jaxpr(fwd.jaxpr, fwd.consts, *lp, x[0])
     assert kept and all(k.shape[:1] == (MB,) for k in kept)  # per token: nothing of the weight's [D, D] shape
     dy = jnp.ones_like(y)
@@ -167,14 +172,7 @@ def test_a_value_the_layer_makes_twice_alike_is_kept_once():
         second = x.astype(jnp.bfloat16) @ lp[0].T.astype(jnp.bfloat16)
         return jnp.tanh((first * second).astype(jnp.float32) + lp[1])
 
-    saved = {}
-
-    def saving(lp, x):
-        y, pull = jax.vjp(two, lp, x)
-        res, saved["tree"] = jax.tree.flatten(pull)
-        return (y, *res)
-
-    fwd, bwd = _forward_and_backward(jax.make_jaxpr(saving)(lp, x[0]), saved["tree"], 2)
+    fwd, bwd = _units(two, lp, x[0])
     y, *kept = jax.core.eval_jaxpr(fwd.jaxpr, fwd.consts, *lp, x[0])
     cast = np.asarray(x[0].astype(jnp.bfloat16))
     assert sum(k.shape == cast.shape and k.dtype == cast.dtype and np.array_equal(np.asarray(k), cast)
@@ -196,14 +194,7 @@ def test_a_stage_keeps_what_makes_its_residuals_again_cheaply():
     def mlp(lp, x):
         return jax.nn.gelu(x @ lp[0], approximate=True) @ lp[1]
 
-    saved = {}
-
-    def saving(lp, x):
-        y, pull = jax.vjp(mlp, lp, x)
-        res, saved["tree"] = jax.tree.flatten(pull)
-        return (y, *res)
-
-    fwd, bwd = _forward_and_backward(jax.make_jaxpr(saving)(lp, x), saved["tree"], 2)
+    fwd, bwd = _units(mlp, lp, x)
     mesh = jax.make_mesh((1,), ("dp",), devices=jax.devices()[:1])
     specs = [Spec.create(mesh, [Replicate()], a.shape, a.dtype) for a in (*lp, x)]
     lean, again, placements = _lightened(fwd, plan_jaxpr(fwd, specs, mesh), specs, bwd, 2)
@@ -378,8 +369,9 @@ def test_a_pipelined_gpt_trains_like_one_device(one_device, shape, names, style,
     assert kernel.spec.local_block_shape[0] == LAYERS // p  # a stage holds its own blocks, no other's
 
 
-@pytest.mark.parametrize("shape,names,style,layers", [((2, 2, 2), ("pp", "dp", "tp"), "dp+tp", 5),
-                                                      ((4, 2), ("pp", "dp"), "dp", 6)], ids=["5-over-2", "6-over-4"])
+@pytest.mark.parametrize("shape,names,style,layers", [
+    pytest.param((2, 2, 2), ("pp", "dp", "tp"), "dp+tp", 5, id="5-over-2"),
+    pytest.param((4, 2), ("pp", "dp"), "dp", 6, id="6-over-4", marks=pytest.mark.slow)])
 def test_uneven_stages_train_like_one_device(shape, names, style, layers):
     """Layers the stages do not divide (Llama 3 405B's 126 over 16): each stage holds ``ceil(L / p)`` layers, the
     last ones fewer (5 over 2: 3 and 2; 6 over 4: 2, 2, 2 and none), their rows past ``L`` idle; training as one

@@ -295,8 +295,9 @@ def test_the_zero_role_gathers_each_parameter_once_a_step_and_trains_like_one_de
         assert zero.bytes_moved < fsdp.bytes_moved and zero.memory.optimizer == fsdp.memory.optimizer
 
 
-@pytest.mark.parametrize("shape,names", [((2, 2, 2), ("pp", "x", "tp")), ((2, 4), ("pp", "x"))],
-                         ids=["pp2xzero2xtp2", "pp2xzero4"])
+@pytest.mark.parametrize("shape,names", [
+    pytest.param((2, 2, 2), ("pp", "x", "tp"), id="pp2xzero2xtp2"),
+    pytest.param((2, 4), ("pp", "x"), id="pp2xzero4", marks=pytest.mark.slow)])
 def test_zero_with_a_pipeline_gathers_the_stages_parameters_once_and_trains_like_one_device(shape, names):
     """``"zero"`` with ``"pp"``: every parameter stored sharded over the data axis, the stages taking theirs whole
     as the pipeline starts (``PipelineParallel(whole=...)``: one gather a step, none in the layers' units for every
