@@ -30,8 +30,9 @@ import jax
 PROCESS_ID, PORT, RESULT = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 # "all", "floor" or "newest" (tests/conftest.py, JSHARD_SUITE): each release's share of the suite checks the
 # arrays, programs, attention and checkpoints; the floor's the tensor-parallel, autoplanned, pipelined and resumed
-# GPTs, the newest's the tensor-parallel GPT again and the model patterns (scanned, explicit, a mixture, context
-# parallel): each GPT but one on one release, as the suite's two runs together take CI's time
+# GPTs, the newest's the tensor-parallel GPT again, the model patterns (scanned, explicit, a mixture, context
+# parallel) and the zero role (with and without a pipeline): each GPT but one on one release, as the suite's two
+# runs together take CI's time
 SHARE = sys.argv[4] if len(sys.argv) > 4 else "all"
 
 from jshard.launch import join  # noqa: E402 - jshard.launch imports no JAX device code
@@ -717,6 +718,30 @@ def check_gpt_pipeline() -> None:
     match_one_device("gpt_pp_across", losses, PIPELINE_LAYERS)
 
 
+def check_gpt_zero(pipelined: bool) -> None:
+    """The ``zero`` role (Megatron-LM's distributed optimizer) over the axis that crosses the processes, as
+    ``predict`` plans it: the whole model gathered once a step, or with ``pp`` crossing them too, every stage taking
+    its parameters whole as the pipeline starts; the losses of 3 steps against one device."""
+    import jax.numpy as jnp_
+
+    from jshard.parallel import Hardware, TrainStep, parallelize, predict
+
+    layers = PIPELINE_LAYERS if pipelined else LAYERS
+    make, loss_fn, tx, windows = gpt_problem(layers)
+    ids = jax.ShapeDtypeStruct((BATCH, SEQ), jnp_.int32)
+    if pipelined:
+        mesh = Mesh(_stages, ("pp", "zero", "tp"))  # pp crosses the processes, as in check_gpt_pipeline
+        roles, micro = {"pp": 2, "zero": 2, "tp": 2}, MICROBATCHES
+    else:
+        mesh = Mesh(_grid, ("zero", "tp"))  # the data axis crosses them
+        roles, micro = {"zero": 2, "tp": 4}, None
+    plan = predict(make, loss_fn, ids, ids, hardware=Hardware.h100(), roles=roles, microbatches=micro).plan
+    assert plan.axis_names == mesh.axis_names, (plan.axis_names, mesh.axis_names)
+    train = TrainStep(parallelize(make, mesh, plan), tx, loss_fn)
+    tag = "gpt_zero_pp" if pipelined else "gpt_zero"
+    match_one_device(tag, train_gpt(train, mesh, list(plan.batch[0]), windows, tag), layers)
+
+
 # ---------------------------------------------------------------------------------------------------
 # jshard.checkpoint: each process writes its own devices' blocks into one checkpoint (a directory both see) and
 # reads back exactly the blocks of any target layout, on any of the meshes
@@ -857,6 +882,8 @@ def main() -> None:
         for kind in ("scanned", "explicit", "moe"):
             check(f"gpt/{kind}_2x4", check_gpt_model_patterns, kind)
         check("gpt/cp8_ring", check_gpt_context_parallel)
+        check("gpt/zero2xtp4", check_gpt_zero, False)
+        check("gpt/pp2xzero2xtp2_pp_across", check_gpt_zero, True)
     if SHARE != "newest":
         check("gpt/autoplan_2x4", check_gpt_autoplan)
         check("gpt/pp2xdp2xtp2_pp_across", check_gpt_pipeline)

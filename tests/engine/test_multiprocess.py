@@ -17,9 +17,9 @@ stage's blocks, and the schedule's activations and input gradients pass between 
 device; checkpoints saved across the processes restore into other layouts and meshes, and the tensor-parallel and
 pipelined runs resume from one under another layout (the pipelined one with its stages inside each process) with
 the uninterrupted run's losses (the suite's floor share trains the autoplanned, pipelined and resumed GPTs, its
-newest share the model patterns and the context-parallel one; the tensor-parallel GPT both). Here: both exit 0
-within a hard timeout, every check passed, and the two processes computed bitwise-equal losses, gradients and
-reduced values.
+newest share the model patterns, the context-parallel one and the zero role with and without a pipeline; the
+tensor-parallel GPT both). Here: both exit 0 within a hard timeout, every check passed, and the two processes
+computed bitwise-equal losses, gradients and reduced values.
 
 One launch of both workers does everything (a few seconds of compilation on each); the test never waits on a
 worker past ``TIMEOUT``: when one fails or time runs out, both are killed and the failing one's stderr is shown.
@@ -88,7 +88,8 @@ def test_two_processes_of_four_cpu_devices(tmp_path):
                                     f"{b[kind].get(name)}")
         suite = os.environ.get("JSHARD_SUITE")  # the worker's SHARE: each GPT but one on one release
         pipelined = ("gpt_pp_across", "gpt_pp_within_resumed") if suite != "newest" else ()
-        patterns = ("gpt_scanned", "gpt_explicit", "gpt_moe", "gpt_cp8_ring") if suite != "floor" else ()
+        patterns = ("gpt_scanned", "gpt_explicit", "gpt_moe", "gpt_cp8_ring", "gpt_zero",
+                    "gpt_zero_pp") if suite != "floor" else ()
         for name in ("mlp/2x4", "mlp/4x2", "mlp/8", "attention/cp8/ring", "attention/cp8/ring_causal", "gpt",
                      *patterns, *pipelined):
             if name not in a["losses"]:
