@@ -7,8 +7,9 @@ gradients: with respect to ``stacked`` (every layer's parameters, stacked along 
 ``other`` and ``x0``. It binds one equation, ``jshard_pipeline``, which the engine plans like a loop:
 
 - ``stacked`` lies split along ``axis`` (``Shard(0)``: device ``d`` of the axis holds layers
-  ``d*L/p ... (d+1)*L/p - 1``; with ``v`` virtual stages ``StridedShard(0, v)``, chunks of ``L/(p*v)`` layers
-  dealt round-robin); everything else is replicated along ``axis``, placed freely on the other axes;
+  ``d*L/p ... (d+1)*L/p - 1``, ``L/p`` rounded up where ``p`` does not divide ``L``, the last stages holding fewer;
+  with ``v`` virtual stages ``StridedShard(0, v)``, chunks of ``L/(p*v)`` layers dealt round-robin); everything
+  else is replicated along ``axis``, placed freely on the other axes;
 - one layer's forward, its backward and the tail's value and gradient are jaxprs of their own, planned on the
   mesh without ``axis`` (``jshard.constrain`` inside them names the other axes alone), so tensor, data or sequence
   parallelism runs inside every stage. The forward unit returns the residuals of the layer's vjp that depend on

@@ -345,7 +345,8 @@ def _body_figures(body: JaxprPlan, pins: list, rates: Rates, sizes: dict) -> dic
 
 def _pipeline_time(eq, bodies: list[dict], rates: Rates, sizes: dict) -> float:
     """A pipeline's µs on the critical path: its schedule's ticks, each as long as its slowest device's units (a
-    forward unit and a backward unit of ``L / (p v)`` layers each), the tail after the last stage's forward."""
+    forward unit and a backward unit of ``L / (p v)`` layers each, rounded up: the fullest stage's), the tail after the
+    last stage's forward."""
     prm = eq.eqn.params
     p = sizes[prm["axis"]]
     depth = eq.choice.ins[0].shape[0]

@@ -2,7 +2,8 @@
 
 ``parallelize(make, mesh, {"blocks": PipelineParallel("pp", microbatches=8)})`` replaces the list of blocks at
 ``blocks`` by a ``Pipelined`` module: one block's module whose parameters hold every block's, stacked along a new
-dim 0 and split along the pipeline axis (stage ``s`` of ``p`` holds blocks ``s*L/p ... (s+1)*L/p - 1``). The
+dim 0 and split along the pipeline axis (stage ``s`` of ``p`` holds blocks ``s*L/p ... (s+1)*L/p - 1``, ``L/p``
+rounded up where ``p`` does not divide ``L``). The
 model's own code does not change: iterating ``model.blocks`` gives each block in turn, and ``for block in
 self.blocks: x = block(x)`` runs them.
 

@@ -495,7 +495,8 @@ def _said(name: str) -> str | None:
 class PipelineParallel(ParallelStyle):
     """Pipeline parallelism over ``axis``: matched on a list of identical blocks (``"blocks"``), or on a module that
     stacks its layers (built by ``nnx.vmap``, run by ``nnx.scan``), it splits the layers
-    into stages along the axis (stage ``s`` of ``p`` holds blocks ``s*L/p ... (s+1)*L/p - 1``; with
+    into stages along the axis (stage ``s`` of ``p`` holds blocks ``s*L/p ... (s+1)*L/p - 1``, ``L/p`` rounded up
+    where ``p`` does not divide ``L``, the last stages holding fewer; with
     ``virtual_stages=v``, ``v`` chunks per device dealt round-robin), and ``TrainStep`` runs each step as
     ``microbatches`` microbatches flowing stage to stage in ``schedule`` order (``"gpipe"``, ``"1f1b"``,
     ``"interleaved"``; ``jshard.parallel.schedule``), all in the step's one program
