@@ -265,7 +265,7 @@ def plan_pipeline(eqn: jc.JaxprEqn, specs: list[Spec], mesh: Mesh) -> tuple[Choi
     if lighter is not None:  # each residual kept as the first plan laid it out
         fwd_jaxpr, bwd_jaxpr, kept = lighter
         free = (None,) * len(sub.axis_names)
-        fwd = plan_jaxpr(_pinned(fwd_jaxpr, (free, *(free if p is None else p for p in kept))), layer + [x], sub)
+        fwd = plan_jaxpr(_pinned(fwd_jaxpr, (free, *(free if q is None else q for q in kept))), layer + [x], sub)
     ins_x0 = _outer(x, mesh, ax, Replicate(), stack=m)
     res = list(fwd.out_specs[1:])  # the residuals a stage stashes, as the forward unit makes them
     bwd = plan_jaxpr(_pinned(bwd_jaxpr, _gradient_pins(layer)), layer + res + [x], sub)
@@ -375,10 +375,7 @@ def _forward_and_backward(closed: jc.ClosedJaxpr, tree: Any, n: int) -> tuple[jc
     residuals again from the parameters (a weight cast to the compute dtype is never kept per microbatch)."""
     jaxpr, consts = open_jaxpr(flattened(closed))  # a call's values its own: each kept or made again alone
     jaxpr = _merged(jaxpr)
-    varying = {jaxpr.invars[n]}
-    for e in jaxpr.eqns:
-        if any(not isinstance(v, jc.Literal) and v in varying for v in e.invars):
-            varying.update(e.outvars)
+    varying = _depending(jaxpr, n)
     res = jaxpr.outvars[1:]
     stashed, seen = [], set()
     for i, v in enumerate(res):  # one value the vjp reads in several places is kept once
@@ -423,11 +420,7 @@ def _lightened(fwd: jc.ClosedJaxpr, plan: Any, ins: list[Spec], bwd: jc.ClosedJa
     placed = {v: sp.placements for v, sp in placed.items()}
     made = {v: e for e in jaxpr.eqns for v in e.outvars}
     params = set(jaxpr.invars[:n])
-    varying = set(jaxpr.invars[n:])
-    for e in jaxpr.eqns:
-        if any(not isinstance(v, jc.Literal) and v in varying for v in e.invars):
-            varying.update(e.outvars)
-    fixed = set(made) - varying  # made from the parameters alone: made again in the backward unit anyway
+    fixed = set(made) - _depending(jaxpr, n)  # made from the parameters alone: made again in the backward unit
 
     def roots(v, seen) -> set:
         if v in params or v in fixed or v in seen:
@@ -504,6 +497,16 @@ def _merged(jaxpr: jc.Jaxpr) -> jc.Jaxpr:
         eqns.append(e)
     outvars = [v if isinstance(v, jc.Literal) else same.get(v, v) for v in jaxpr.outvars]
     return jaxpr.replace(eqns=eqns, outvars=outvars)
+
+
+def _depending(jaxpr: jc.Jaxpr, n: int) -> set:
+    """The values of a layer's ``jaxpr`` (``n`` parameters, then its input) made from its input: what differs from
+    one microbatch to the next."""
+    varying = set(jaxpr.invars[n:])
+    for e in jaxpr.eqns:
+        if any(not isinstance(v, jc.Literal) and v in varying for v in e.invars):
+            varying.update(e.outvars)
+    return varying
 
 
 def _needed(eqns: list, outs: list, have: set = frozenset()) -> list:

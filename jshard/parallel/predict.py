@@ -39,6 +39,7 @@ from .roles import (
     BATCH_ROLES,
     ROLES,
     TENSOR_ROLES,
+    accumulating,
     cut_model,
     mixtures,
     module_at,
@@ -250,9 +251,8 @@ def _checked(make, loss_fn, batch, hardware, roles, tx, microbatches, remat):
         raise ValueError(f"predict: microbatches={microbatches!r} is a count of microbatches a step's batch runs as, "
                          f"an int >= 1; roles are {roles}")
     if microbatches is not None and "pp" not in roles:  # gradient accumulation: a pipeline of one stage
-        at = next((i for i, r in enumerate(roles) if r not in BATCH_ROLES), len(roles))
-        items = list(roles.items())
-        roles = dict(items[:at] + [("pp", 1)] + items[at:])
+        names, sizes, _ = accumulating(tuple(roles), tuple(roles.values()), {r: r for r in roles})
+        roles = dict(zip(names, sizes, strict=True))
     batch = tuple(jax.ShapeDtypeStruct(np.shape(b), b.dtype) for b in batch)
     data = math.prod(n for r, n in roles.items() if r in BATCH_ROLES)
     rows = batch[0].shape[0] if batch[0].shape else 1

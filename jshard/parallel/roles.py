@@ -54,6 +54,14 @@ TENSOR_ROLES = ("tp", "sp")
 TRACED_AS = {"fsdp": "dp"}  # roles whose steps trace alike (see _Whole)
 
 
+def accumulating(names: tuple, sizes: tuple, roles: dict) -> tuple[tuple, tuple, dict]:
+    """Axis ``names``, ``sizes`` and ``roles`` with gradient accumulation's pipeline of one stage: a ``pp`` axis of
+    size 1 after the data axes (``predict(microbatches=)`` without ``pp``, and ``autoplan`` over the budget)."""
+    at = next((i for i, a in enumerate(names) if roles[a] not in BATCH_ROLES), len(names))
+    return ((*names[:at], "pp", *names[at:]), (*sizes[:at], 1, *sizes[at:]),
+            {a: roles.get(a, "pp") for a in (*names[:at], "pp", *names[at:])})
+
+
 def pipeline_microbatches(stages: int, rows: int, data: int) -> int | None:
     """A pipeline's microbatches: twice its stages where the batch's rows allow (each microbatch split over the data
     axes), else as many as its stages (None: too few rows)."""

@@ -45,6 +45,7 @@ from .roles import (
     BATCH_ROLES,
     ROLES,
     TENSOR_ROLES,
+    accumulating,
     compute_dtype,
     cut_model,
     mixtures,
@@ -260,10 +261,7 @@ def _accumulating(batch: tuple, plan: Plan) -> tuple[AbstractMesh, dict, dict] |
                      if plan.roles[a] in BATCH_ROLES)
     if rows // data < 2:
         return None
-    at = next((i for i, a in enumerate(plan.axis_names) if plan.roles[a] not in BATCH_ROLES), len(plan.axis_names))
-    names = (*plan.axis_names[:at], "pp", *plan.axis_names[at:])
-    shape = (*plan.mesh_shape[:at], 1, *plan.mesh_shape[at:])
-    roles = {a: "pp" if a == "pp" else plan.roles[a] for a in names}
+    names, shape, roles = accumulating(plan.axis_names, plan.mesh_shape, plan.roles)
     return AbstractMesh(shape, names), roles, {"microbatches": rows // data}
 
 

@@ -487,12 +487,24 @@ def test_parallelize_refuses_blocks_it_cannot_pipeline(make, plan, match):
     (dict(microbatches=0), r"microbatches must be an int >= 1"),
     (dict(schedule="zb"), r"schedule 'zb' is not one of"),
     (dict(virtual_stages=2), r"virtual_stages=2 needs schedule='interleaved'"),
+    (dict(whole="dp"), r"whole is a tuple of the mesh axes .* say \('dp',\); got 'dp'"),
+    (dict(whole=("pp",)), r"other than the pipeline's 'pp'"),
 ])
 def test_pipeline_parallel_checks_its_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PipelineParallel("pp", **kwargs)
     with pytest.raises(TypeError, match=r"remat must be True or False, got 'yes'"):
         PipelineParallel("pp", remat="yes")
+
+
+def test_a_pipeline_refuses_whole_axes_the_mesh_lacks():
+    mesh = jax.make_mesh((2, 4), ("pp", "dp"))
+    plan, default = gpt_plan("dp")
+    plan = {**plan, "blocks": PipelineParallel("pp", microbatches=2, whole=("zero",))}
+    step = TrainStep(parallelize(_make, mesh, plan, default=default), optax.adamw(1e-2), _loss)
+    ids = jshard.distribute(_batches(1)[0][0], mesh, [Replicate(), Shard(0)])
+    with pytest.raises(ValueError, match=r"whole=\('zero',\) names axes that are not the other axes of the mesh"):
+        step(ids, ids)
 
 
 @pytest.mark.parametrize("how,match", [
