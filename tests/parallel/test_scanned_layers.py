@@ -202,6 +202,26 @@ def test_a_pipelined_stack_of_layers_trains_like_one_device(mesh_shape, style, s
         assert_close(step.model(ids).full(), nnx.merge(nnx.graphdef(four_layers()), ref.params())(ids), n=n * 5)
 
 
+def test_a_stack_the_stages_do_not_divide_trains_like_one_device():
+    """Five scanned layers over two stages (3 and 2, the padding row idle), the stack split unevenly as it stands."""
+    def five_layers():
+        return GPT(vocab=V, dim=D, heads=H, layers=5, seq=T, rngs=nnx.Rngs(0), scan=True)
+
+    mesh = make_mesh((2, 4))
+    names = mesh.axis_names
+    styles, default = plan("pp+tp", pp=names[0], tp=names[-1], microbatches=2, scan=True)
+    model = parallelize(five_layers, mesh, styles, default=default)
+    kernel = model.blocks.q.kernel.get_value()
+    assert kernel.shape == (5, D, D) and kernel.spec.local_block_shape[0] == 3
+    tx = optax.adamw(1e-2, eps=1e-4)
+    step, ref = TrainStep(model, tx, loss_fn), one_device_trainer(five_layers(), tx, loss_fn)
+    losses, want = train_alongside(step, ref, mesh, (R, R), batches(3))
+    n = summed_terms(V, D, 5, T, B, steps=3)
+    assert curve_ratio(losses, want, n_per_step=n // 3) <= 1, (losses, want)
+    for g, w in zip(jax.tree.leaves(nnx.state(step.model, nnx.Param)), jax.tree.leaves(ref.params()), strict=True):
+        assert_close(g.full(), w, n=n * 5, terms=tree_scale(ref.params()))
+
+
 def test_a_pipelined_stack_is_refused_where_its_scan_is_not_a_chain_of_layers():
     """The scan over the stack must carry the activation alone: a per-layer input (here the batch's mask) or a
     module that is no stack is refused naming what to change."""
