@@ -118,7 +118,6 @@ def value_and_grad_read(layer: Callable, tail: Callable, stacked: Any, other: An
     if m < 1 or any(np.ndim(s) < 1 or s.shape[0] != m for s in side):
         raise ValueError(f"pipeline: x0 and every side input stack the microbatches along dim 0; got x0 "
                          f"{tuple(np.shape(x0))} and side {[tuple(np.shape(s)) for s in side]}")
-    layer_avals = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in leaves]
     x_aval = jax.ShapeDtypeStruct(x0.shape[1:], x0.dtype)
     side_avals = [jax.ShapeDtypeStruct(s.shape[1:], s.dtype) for s in side]
     o_avals = [jax.ShapeDtypeStruct(np.shape(a), a.dtype) for a in o_leaves]
@@ -155,6 +154,13 @@ def value_and_grad_read(layer: Callable, tail: Callable, stacked: Any, other: An
     p = mesh.shape[axis]
     saved = {}
     with hidden_axis(axis, mesh.axis_names):
+        # a parameter the layer reads only cast to the compute dtype enters cast (gathered, held whole and read in
+        # that dtype), its gradients summed over the microbatches in its own dtype
+        narrow = _narrowed(jax.make_jaxpr(forward)([jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in leaves],
+                                                   x_aval), len(leaves))
+        sums = tuple(a.dtype for a in leaves)
+        leaves = [a if dt is None else a.astype(dt) for a, dt in zip(leaves, narrow, strict=True)]
+        layer_avals = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in leaves]
         fwd, bwd = _forward_and_backward(jax.make_jaxpr(saving)(layer_avals, x_aval), saved["tree"], len(leaves))
         # a leaf of other the tail's loss never reads (the embedding, read before the layers) takes no part in it:
         # its gradient there, zeros of its whole shape, would be made and accumulated for every microbatch
@@ -175,7 +181,8 @@ def value_and_grad_read(layer: Callable, tail: Callable, stacked: Any, other: An
                          + ("" if virtual_stages > 1 else f", or at least {p}"))
     read = [a for a, r in zip(o_leaves, reads, strict=True) if r]
     out = pipeline_p.bind(*leaves, *read, x0, *side, fwd=fwd, bwd=bwd, tail=tl, axis=axis, kind=schedule,
-                          virtual=virtual_stages, counts=(len(leaves), len(read), len(side)), whole=tuple(whole))
+                          virtual=virtual_stages, counts=(len(leaves), len(read), len(side)), whole=tuple(whole),
+                          sums=sums)
     n, k = len(leaves), len(read)
     loss, d_stacked, d_read, dx0 = out[0], out[1:1 + n], iter(out[1 + n:1 + n + k]), out[1 + n + k]
     return loss, jax.tree.unflatten(tree, d_stacked), [next(d_read) if r else None for r in reads], dx0
@@ -189,18 +196,19 @@ def split_placement(virtual_stages: int) -> Placement:
 
 # -- the primitive ------------------------------------------------------------------------------------------------
 
-def _abstract(*args, fwd, bwd, tail, axis, kind, virtual, counts, whole):
+def _abstract(*args, fwd, bwd, tail, axis, kind, virtual, counts, whole, sums):
     n, k, _ = counts
-    return [jax.core.ShapedArray((), tail.out_avals[0].dtype), *args[:n + k + 1]]
+    return [jax.core.ShapedArray((), tail.out_avals[0].dtype),
+            *(jax.core.ShapedArray(a.shape, dt) for a, dt in zip(args[:n], sums, strict=True)), *args[n:n + k + 1]]
 
 
-def _impl(*args, fwd, bwd, tail, axis, kind, virtual, counts, whole):
+def _impl(*args, fwd, bwd, tail, axis, kind, virtual, counts, whole, sums):
     """One device: the microbatches one after another through every layer, then back."""
     n, k, s = counts
     stacked, other, x0, side = args[:n], args[n:n + k], args[n + k], args[n + k + 1:]
     depth = stacked[0].shape[0]
     loss = jnp.zeros((), tail.out_avals[0].dtype)
-    d_stacked = [jnp.zeros_like(a) for a in stacked]
+    d_stacked = [jnp.zeros(a.shape, dt) for a, dt in zip(stacked, sums, strict=True)]
     d_other = [jnp.zeros_like(a) for a in other]
     dx0 = []
     for i in range(x0.shape[0]):
@@ -213,7 +221,7 @@ def _impl(*args, fwd, bwd, tail, axis, kind, virtual, counts, whole):
         d_other = [a + b for a, b in zip(d_other, do, strict=True)]
         for j in reversed(range(depth)):
             *dl, dy = jax.core.eval_jaxpr(bwd.jaxpr, bwd.consts, *[a[j] for a in stacked], *kept[j], dy)
-            d_stacked = [a.at[j].add(b) for a, b in zip(d_stacked, dl, strict=True)]
+            d_stacked = [a.at[j].add(b.astype(a.dtype)) for a, b in zip(d_stacked, dl, strict=True)]
         dx0.append(dy)
     return [loss, *d_stacked, *d_other, jnp.stack(dx0)]
 
@@ -275,15 +283,17 @@ def plan_pipeline(eqn: jc.JaxprEqn, specs: list[Spec], mesh: Mesh) -> tuple[Choi
     bwd_pins = [None] * n + [x]  # pinned inside the unit (_gradient_pins); a Partial is reduced once, after
     tail_pins = [tail.out_specs[0].with_placements(whole)] + [None] * k + [x]
     d_layer, d_other = bwd.out_specs[:n], tail.out_specs[1:1 + k]
+    summed = [Spec.create(sp.mesh, sp.placements, sp.shape, dt, where="pipeline")
+              for sp, dt in zip(d_layer, prm["sums"], strict=True)]
 
     outs = [_outer(tail_pins[0], mesh, ax, Partial("sum"), stack=None),
-            *[_outer(sp, mesh, ax, split, stack=depth) for sp in d_layer],
+            *[_outer(sp, mesh, ax, split, stack=depth) for sp in summed],
             *[_outer(sp, mesh, ax, Partial("sum"), stack=None) for sp in d_other],
             _outer(x, mesh, ax, Partial("sum"), stack=m)]
     kernel = _kernel(sched, axis, depth, local_function(fwd, fwd_pins), local_function(bwd, bwd_pins),
                      local_function(tail, tail_pins), counts=prm["counts"], loss_dtype=tail_pins[0].dtype,
                      accumulators=([(sp.local_block_shape, sp.dtype) for sp in d_layer],
-                                   [(sp.local_block_shape, sp.dtype) for sp in d_other]),
+                                   [(sp.local_block_shape, sp.dtype) for sp in d_other]), sums=prm["sums"],
                      residuals=[(sp.local_block_shape, sp.dtype) for sp in res])
     rule = Rule("jshard_pipeline", strategies=None, communicates=lambda *_: _sends(sched, axis, x),
                 describe=lambda *_: f"{sched!r}\n{sched.table()}")
@@ -475,6 +485,26 @@ def _rebuilt(fwd: jc.ClosedJaxpr, bwd: jc.ClosedJaxpr, n: int, new: tuple) -> tu
     return lean, jax.make_jaxpr(backward)(*avals, dy)
 
 
+def _narrowed(closed: jc.ClosedJaxpr, n: int) -> list:
+    """Per parameter of a layer (its first ``n`` inputs), the narrower float dtype every use of it casts it to (a
+    weight cast to the compute dtype: bf16 of a float32 parameter), None where it is read otherwise."""
+    jaxpr = flattened(closed).jaxpr
+    outs = {v for v in jaxpr.outvars if not isinstance(v, jc.Literal)}
+    casts = {v: set() for v in jaxpr.invars[:n]}
+    for e in jaxpr.eqns:
+        for v in e.invars:
+            if not isinstance(v, jc.Literal) and v in casts:
+                new = e.params.get("new_dtype") if e.primitive.name == "convert_element_type" else None
+                casts[v].add(None if new is None else np.dtype(new))
+    out = []
+    for v in jaxpr.invars[:n]:
+        (dt,) = casts[v] if len(casts[v]) == 1 else (None,)
+        narrower = (dt is not None and v not in outs and jnp.issubdtype(dt, jnp.floating)
+                    and jnp.issubdtype(v.aval.dtype, jnp.floating) and dt.itemsize < np.dtype(v.aval.dtype).itemsize)
+        out.append(dt if narrower else None)
+    return out
+
+
 def _merged(jaxpr: jc.Jaxpr) -> jc.Jaxpr:
     """``jaxpr`` with each equation that repeats an earlier one (the same primitive and params on the same inputs,
     no effects) dropped and its outputs read from the earlier one's. Each ``nnx.Linear`` casts its input to the
@@ -536,11 +566,11 @@ def _sends(sched, axis: str, x: Spec) -> list[Communication]:
 
 
 def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Callable, counts, loss_dtype,
-            accumulators, residuals) -> Callable:
+            accumulators, sums, residuals) -> Callable:
     """The per-device loop over the schedule's ticks (see the module's docstring). ``accumulators``: the local
-    (shape, dtype) of one layer's gradients and of the tail's, as their plans make them; ``residuals``: of what a
-    layer's forward unit keeps for its backward unit. The loss is summed in float32 and returned as
-    ``loss_dtype``."""
+    (shape, dtype) of one layer's gradients and of the tail's, as their plans make them; ``sums``: the dtypes a
+    layer's gradients are summed in; ``residuals``: of what a layer's forward unit keeps for its backward unit. The
+    loss is summed in float32 and returned as ``loss_dtype``."""
     n, k, _ = counts
     p, v, slots = sched.stages, sched.virtual_stages, sched.slots
     per = -(-depth // (p * v))  # uneven stages (one chunk a device): the last hold fewer, their rows past depth idle
@@ -583,7 +613,8 @@ def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Ca
         buf = jnp.zeros((v, slots) + x0.shape[1:], x0.dtype)
         stash = [jnp.zeros((v, slots, per) + shape, dtype) for shape, dtype in residuals]
         carry = dict(stash=stash, fin=buf, bin=buf, loss=jnp.zeros((), jnp.float32),
-                     grads=[jnp.zeros((v, per) + shape, dtype) for shape, dtype in accumulators[0]],
+                     grads=[jnp.zeros((v, per) + shape, dtype)
+                            for (shape, _), dtype in zip(accumulators[0], sums, strict=True)],
                      other=[jnp.zeros(shape, dtype) for shape, dtype in accumulators[1]], dx0=jnp.zeros_like(x0))
 
         def at(name, t):
@@ -612,7 +643,7 @@ def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Ca
                 slot = bm % slots
                 dl, dx = layers_backward([a[bc] for a in chunks], real, [s[bc, slot] for s in c["stash"]],
                                          c["bin"][bc, slot])
-                grads = [g.at[bc].add(e) for g, e in zip(c["grads"], dl, strict=True)]
+                grads = [g.at[bc].add(e.astype(g.dtype)) for g, e in zip(c["grads"], dl, strict=True)]
                 dx0 = jnp.where(at("first_b", t), c["dx0"].at[bm].set(dx), c["dx0"])
                 return dict(c, grads=grads, dx0=dx0), dx
 

@@ -23,6 +23,7 @@ from jshard.engine.walk import plan_jaxpr
 from jshard.gpt import GPT, cross_entropy
 from jshard.gpt import plan as gpt_plan
 from jshard.parallel import PipelineParallel, TrainStep, parallelize
+from jshard.parallel import pipeline
 from jshard.parallel.pipeline import _forward_and_backward, _lightened, _routes, _sends, pipeline_value_and_grad
 from jshard.parallel.schedule import make_schedule
 from jshard.spec import Spec
@@ -112,6 +113,49 @@ def test_remat_keeps_each_layers_input_alone_and_either_way_computes_the_same():
         kept[remat] = [a.shape for a in eqn.params["fwd"].out_avals[1:]]  # kept besides the layer's output
     assert kept[True] == [(MB, D)]  # the layer's input alone
     assert len(kept[False]) > 1  # tanh's output too (its derivative), and the input
+
+
+def test_a_weight_the_layer_casts_enters_the_stage_cast_its_gradient_summed_in_its_own_dtype(monkeypatch):
+    """A float32 weight every use of which is a cast to bf16 (a layer computing in bf16) enters the pipeline cast:
+    the stage holds it (whole, where it is gathered) and reads it in bf16; its gradient is summed over the
+    microbatches in float32. The numbers are those of the stage casting it itself, and of ``jax.grad`` of the
+    layers run one after another (to bf16's precision: XLA rounds a whole program's bf16 work its own way)."""
+    def layer(lp, x):
+        return jnp.tanh(x.astype(jnp.bfloat16) @ lp["w"].astype(jnp.bfloat16)).astype(jnp.float32) + lp["b"]
+
+    w, b, h, x, y = _toy()
+
+    def total(w, b, h, x):
+        losses = []
+        for i in range(M):
+            xi = x[i]
+            for j in range(L):
+                xi = layer({"w": w[j], "b": b[j]}, xi)
+            losses.append(_tail({"h": h}, xi, y[i]))
+        return jnp.mean(jnp.stack(losses))
+
+    loss, grads = jax.value_and_grad(total, argnums=(0, 1, 2, 3))(w, b, h, x)
+    mesh = jax.make_mesh((2, 4), ("pp", "tp"))
+    args = [jshard.distribute(w, mesh, [Shard(0), Shard(2)]), jshard.distribute(b, mesh, [Shard(0), Replicate()])]
+    args += [jshard.distribute(a, mesh, [Replicate(), Replicate()]) for a in (h, x, y)]
+
+    def run(w, b, h, x, y):
+        return pipeline_value_and_grad(layer, _tail, {"w": w, "b": b}, {"h": h}, x, (y,), axis="pp", remat=False)
+
+    got, (gs, go, gx) = jshard.jit(run)(*args)
+    np.testing.assert_allclose(float(got.full()), float(loss), rtol=1e-2)
+    for ours, theirs in ((gs["w"], grads[0]), (gs["b"], grads[1]), (go["h"], grads[2]), (gx, grads[3])):
+        assert ours.dtype == theirs.dtype == np.float32
+        assert np.linalg.norm(np.asarray(ours.full()) - theirs) <= 2e-2 * np.linalg.norm(theirs)
+    plan = jshard.jit(run).trace(*args).plan
+    monkeypatch.setattr(pipeline, "_narrowed", lambda closed, n: [None] * n)  # the stage casts w itself
+    before, (bs, bo, bx) = jshard.jit(run)(*args)
+    np.testing.assert_array_equal(np.asarray(got.full()), np.asarray(before.full()))
+    for ours, theirs in ((gs["w"], bs["w"]), (gs["b"], bs["b"]), (go["h"], bo["h"]), (gx, bx)):
+        np.testing.assert_allclose(np.asarray(ours.full()), np.asarray(theirs.full()), rtol=1e-6, atol=1e-7)
+    eqn = next(e.eqn for e in plan.equations if e.eqn.primitive.name == "jshard_pipeline")
+    assert [v.aval.dtype for v in eqn.invars[:2]] == [np.float32, jnp.bfloat16]  # b as stored, w cast before
+    assert eqn.params["sums"] == (np.float32, np.float32)
 
 
 def _units(layer, lp, x):
