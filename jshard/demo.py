@@ -266,8 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     where = f"{jax.process_count()} processes, " if jax.process_count() > 1 else ""
 
     # with expert parallelism, every block's MLP a mixture of 8 experts (2 a token), balanced by its routing bias
-    # (state a pipeline does not carry yet: a pipelined mixture is left unbalanced)
-    moe = dict(experts=8, top_k=2, balance=None if axes["pp"] else 1e-2) if axes.get("ep") else {}
+    moe = dict(experts=8, top_k=2, balance=1e-2) if axes.get("ep") else {}
 
     def make():
         return GPT(vocab, dim, heads, layers, seq, rngs=nnx.Rngs(0), **moe)
@@ -392,7 +391,10 @@ def _imbalance(model) -> float:
 
     from jshard.moe import imbalance
 
-    return max(imbalance(np.asarray(block.moe.load.get_value().full())) for block in model.blocks)
+    stacked = getattr(model.blocks, "layers", None)  # a pipeline holds the blocks stacked: row i is block i's
+    loads = np.asarray(stacked.moe.load.get_value().full()) if stacked is not None else [
+        np.asarray(block.moe.load.get_value().full()) for block in model.blocks]
+    return max(imbalance(load) for load in loads)
 
 
 def _auto(args) -> int | None:

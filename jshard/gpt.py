@@ -56,8 +56,10 @@ class MoE(nnx.Module):
     """A mixture of ``experts`` gated SiLU MLPs (``jshard.experts``: ``w_up`` / ``w_gate`` ``[E, D, H]``, ``w_down``
     ``[E, H, D]``), each token to its ``top_k`` experts, routed by a linear ``router`` (softmax over the chosen
     logits). ``balance=rate`` balances the load as DeepSeek-V3 does, without an auxiliary loss: a routing ``bias``
-    (a ``Balance`` variable, not a parameter) that only chooses, moved by ``rate`` after every call
-    (``jshard.moe.balance_bias``), and the tokens each expert took in the last call kept in ``load``."""
+    (a ``Balance`` variable, not a parameter) that only chooses, and the tokens each expert took in the last call kept
+    in ``load``; each call first moves the bias by ``rate`` from the last call's load
+    (``jshard.moe.balance_bias``), so that a pipelined step, whose microbatches run with the state as the step
+    found it, routes as one call on the whole batch does (the load summed over them, the bias the same in each)."""
 
     def __init__(self, dim: int, experts: int, top_k: int, rngs: nnx.Rngs, hidden: int | None = None,
                  balance: float | None = None, dtype: jnp.dtype | None = None):
@@ -70,7 +72,8 @@ class MoE(nnx.Module):
         self.w_up, self.w_gate = (nnx.Param(init(rngs.params(), (experts, dim, hidden))) for _ in range(2))
         self.w_down = nnx.Param(init(rngs.params(), (experts, hidden, dim)))
         if balance is not None:
-            self.bias, self.load = Balance(jnp.zeros(experts)), Balance(jnp.zeros(experts, jnp.int32))
+            self.bias = Balance(jnp.zeros(experts), merge="last")
+            self.load = Balance(jnp.zeros(experts, jnp.int32), merge="sum")
 
     def __call__(self, x):
         up, gate, down = (w[...] if self.dtype is None else w[...].astype(self.dtype)
@@ -78,14 +81,16 @@ class MoE(nnx.Module):
         args = (x, self.router(x), up, down)
         if self.balance is None:
             return experts(*args, top_k=self.top_k, w_gate=gate)
+        self.bias[...] = balance_bias(self.bias[...], self.load[...], self.balance)  # a first call's zero load: none
         out, load = experts(*args, top_k=self.top_k, w_gate=gate, bias=self.bias[...], return_load=True)
-        self.bias[...] = balance_bias(self.bias[...], load, self.balance)
         self.load[...] = load
         return out
 
 
 class Balance(nnx.Variable):
-    """A mixture's balancing state (its routing bias and last load): carried by ``TrainStep``, never trained."""
+    """A mixture's balancing state (its routing bias and last load): carried by ``TrainStep``, never trained.
+    ``merge`` says how a pipelined step merges what each microbatch's call leaves: ``"sum"`` (a load),
+    ``"last"`` (the bias, alike in every microbatch)."""
 
 
 class Block(nnx.Module):

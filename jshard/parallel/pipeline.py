@@ -47,7 +47,7 @@ from __future__ import annotations
 import collections
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -69,10 +69,12 @@ from ..rules.registry import Rule
 from ..spec import Spec, format_mesh
 from .schedule import SCHEDULES, make_schedule
 
-__all__ = ["pipeline_p", "pipeline_value_and_grad", "split_placement", "value_and_grad_read"]
+__all__ = ["MERGES", "pipeline_p", "pipeline_value_and_grad", "split_placement", "value_and_grad_read"]
 
 # equations are attributed to the user's line: jshard's own wrappers are not it
 source_info_util.register_exclusion(os.path.abspath(__file__))
+
+MERGES = ("sum", "last")  # how a layer's state, left by each microbatch's call, merges over the step
 
 
 def pipeline_value_and_grad(layer: Callable, tail: Callable, stacked: Any, other: Any, x0: Any, side: Any, *,
@@ -90,9 +92,9 @@ def pipeline_value_and_grad(layer: Callable, tail: Callable, stacked: Any, other
     after the last microbatch; ``PipelineParallel``'s). Call it inside ``jshard.jit`` (or ``TrainStep``); see the
     module's docstring.
     """
-    loss, d_stacked, d_other, dx0 = value_and_grad_read(layer, tail, stacked, other, x0, side, axis=axis,
-                                                        schedule=schedule, virtual_stages=virtual_stages, remat=remat,
-                                                        whole=whole)
+    loss, d_stacked, d_other, dx0, _ = value_and_grad_read(layer, tail, stacked, other, x0, side, axis=axis,
+                                                           schedule=schedule, virtual_stages=virtual_stages,
+                                                           remat=remat, whole=whole)
     leaves, o_tree = jax.tree.flatten(other)
     d_other = [jnp.zeros_like(a) if d is None else d for a, d in zip(leaves, d_other, strict=True)]
     return loss, (d_stacked, jax.tree.unflatten(o_tree, d_other), dx0)
@@ -100,9 +102,17 @@ def pipeline_value_and_grad(layer: Callable, tail: Callable, stacked: Any, other
 
 def value_and_grad_read(layer: Callable, tail: Callable, stacked: Any, other: Any, x0: Any, side: Any, *,
                         axis: str, schedule: str = "1f1b", virtual_stages: int = 1, remat: bool = True,
-                        whole: tuple[str, ...] = ()) -> tuple[Any, Any, list, Any]:
+                        whole: tuple[str, ...] = (), state: Sequence = (),
+                        merges: Sequence[str] = ()) -> tuple[Any, Any, list, Any, list]:
     """``pipeline_value_and_grad``'s ``(loss, d stacked, d other, d x0)``, ``d other`` a list of the gradients of
-    ``other``'s leaves, None for each leaf the tail never reads (no zeros made)."""
+    ``other``'s leaves, None for each leaf the tail never reads (no zeros made), and the layers' state after the
+    step (a list, empty without ``state``).
+
+    ``state``: the layers' state besides their parameters (arrays stacked like ``stacked``, a mixture's routing bias
+    and load), never differentiated. With it ``layer(layer_params, layer_state, x) -> (y, new_state)``, both states
+    lists of arrays: every microbatch runs with the state as the step found it, and what each call leaves is merged
+    over the microbatches by ``merges`` (per array: ``"sum"`` adds them, a count; ``"last"`` keeps the last
+    microbatch's, a value every microbatch leaves alike), as one call on the whole batch would leave it."""
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline: schedule={schedule!r} is not one of {', '.join(map(repr, SCHEDULES))}")
     leaves, tree = jax.tree.flatten(stacked)
@@ -118,20 +128,37 @@ def value_and_grad_read(layer: Callable, tail: Callable, stacked: Any, other: An
     if m < 1 or any(np.ndim(s) < 1 or s.shape[0] != m for s in side):
         raise ValueError(f"pipeline: x0 and every side input stack the microbatches along dim 0; got x0 "
                          f"{tuple(np.shape(x0))} and side {[tuple(np.shape(s)) for s in side]}")
+    state, merges = list(state), tuple(merges)
+    if len(merges) != len(state) or not set(merges) <= set(MERGES) or any(
+            np.ndim(a) < 1 or a.shape[0] != depth for a in state):
+        raise ValueError(f"pipeline: state takes one array a layer stacked along dim 0 ({depth} layers) and merges "
+                         f"one of {MERGES} for each; got state shapes {[tuple(np.shape(a)) for a in state]} and "
+                         f"merges {merges}")
     x_aval = jax.ShapeDtypeStruct(x0.shape[1:], x0.dtype)
+    s_avals = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in state]
     side_avals = [jax.ShapeDtypeStruct(s.shape[1:], s.dtype) for s in side]
     o_avals = [jax.ShapeDtypeStruct(np.shape(a), a.dtype) for a in o_leaves]
 
-    def forward(lp, x):
-        y = layer(jax.tree.unflatten(tree, lp), x)
+    def called(lp, ls, x):
+        y, new = layer(jax.tree.unflatten(tree, lp), list(ls), x) if state else (layer(jax.tree.unflatten(tree, lp),
+                                                                                       x), [])
         if getattr(y, "shape", None) != x.shape or y.dtype != x.dtype:
             raise TypeError(f"pipeline: a layer maps {x.dtype}{list(x.shape)} to "
                             f"{getattr(y, 'dtype', type(y).__name__)}{list(getattr(y, 'shape', ()))}; a pipelined "
                             "layer must return an array shaped like its input (the next layer's input)")
-        return y
+        new = list(new)
+        if [(np.shape(a), np.dtype(a.dtype)) for a in new] != [(a.shape, np.dtype(a.dtype)) for a in s_avals]:
+            raise TypeError(f"pipeline: a layer leaves its state as {[f'{a.dtype}{list(np.shape(a))}' for a in new]}"
+                            f" where it takes {[f'{a.dtype}{list(a.shape)}' for a in s_avals]}; a pipelined layer "
+                            "leaves its state shaped as it found it")
+        return y, new
 
-    def saving(lp, x):  # the layer's output and what its backward reads: the vjp's residuals
-        y, pull = jax.vjp(jax.checkpoint(forward) if remat else forward, lp, x)
+    def forward(lp, ls, x):
+        return called(lp, ls, x)[0]
+
+    def saving(lp, ls, x):  # the layer's output and what its backward reads: the vjp's residuals
+        unit = jax.checkpoint(forward) if remat else forward
+        y, pull = jax.vjp(lambda lp, x: unit(lp, ls, x), lp, x)
         res, saved["tree"] = jax.tree.flatten(pull)
         return (y, *res)
 
@@ -157,11 +184,14 @@ def value_and_grad_read(layer: Callable, tail: Callable, stacked: Any, other: An
         # a parameter the layer reads only cast to the compute dtype enters cast (gathered, held whole and read in
         # that dtype), its gradients summed over the microbatches in its own dtype
         narrow = _narrowed(jax.make_jaxpr(forward)([jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in leaves],
-                                                   x_aval), len(leaves))
+                                                   s_avals, x_aval), len(leaves))
         sums = tuple(a.dtype for a in leaves)
         leaves = [a if dt is None else a.astype(dt) for a, dt in zip(leaves, narrow, strict=True)]
         layer_avals = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in leaves]
-        fwd, bwd = _forward_and_backward(jax.make_jaxpr(saving)(layer_avals, x_aval), saved["tree"], len(leaves))
+        fwd, bwd = _forward_and_backward(jax.make_jaxpr(saving)(layer_avals, s_avals, x_aval), saved["tree"],
+                                         len(leaves) + len(state))
+        update = jax.make_jaxpr(lambda lp, ls, x: called(lp, ls, x)[1])(layer_avals, s_avals, x_aval) \
+            if state else None  # what a call leaves of the state: the layer pruned to it (a router, not experts)
         # a leaf of other the tail's loss never reads (the embedding, read before the layers) takes no part in it:
         # its gradient there, zeros of its whole shape, would be made and accumulated for every microbatch
         tl = jax.make_jaxpr(last)(o_avals, x_aval, *side_avals)
@@ -180,12 +210,13 @@ def value_and_grad_read(layer: Callable, tail: Callable, stacked: Any, other: An
                          f"on mesh axis {axis!r}; use a layer count that is a multiple of {p * virtual_stages}"
                          + ("" if virtual_stages > 1 else f", or at least {p}"))
     read = [a for a, r in zip(o_leaves, reads, strict=True) if r]
-    out = pipeline_p.bind(*leaves, *read, x0, *side, fwd=fwd, bwd=bwd, tail=tl, axis=axis, kind=schedule,
+    out = pipeline_p.bind(*leaves, *read, x0, *side, *state, fwd=fwd, bwd=bwd, tail=tl, axis=axis, kind=schedule,
                           virtual=virtual_stages, counts=(len(leaves), len(read), len(side)), whole=tuple(whole),
-                          sums=sums)
+                          sums=sums, update=update, merges=merges)
     n, k = len(leaves), len(read)
     loss, d_stacked, d_read, dx0 = out[0], out[1:1 + n], iter(out[1 + n:1 + n + k]), out[1 + n + k]
-    return loss, jax.tree.unflatten(tree, d_stacked), [next(d_read) if r else None for r in reads], dx0
+    return (loss, jax.tree.unflatten(tree, d_stacked), [next(d_read) if r else None for r in reads], dx0,
+            list(out[2 + n + k:]))
 
 
 def split_placement(virtual_stages: int) -> Placement:
@@ -196,16 +227,19 @@ def split_placement(virtual_stages: int) -> Placement:
 
 # -- the primitive ------------------------------------------------------------------------------------------------
 
-def _abstract(*args, fwd, bwd, tail, axis, kind, virtual, counts, whole, sums):
-    n, k, _ = counts
+def _abstract(*args, fwd, bwd, tail, axis, kind, virtual, counts, whole, sums, update, merges):
+    n, k, s = counts
     return [jax.core.ShapedArray((), tail.out_avals[0].dtype),
-            *(jax.core.ShapedArray(a.shape, dt) for a, dt in zip(args[:n], sums, strict=True)), *args[n:n + k + 1]]
+            *(jax.core.ShapedArray(a.shape, dt) for a, dt in zip(args[:n], sums, strict=True)), *args[n:n + k + 1],
+            *args[n + k + 1 + s:]]
 
 
-def _impl(*args, fwd, bwd, tail, axis, kind, virtual, counts, whole, sums):
+def _impl(*args, fwd, bwd, tail, axis, kind, virtual, counts, whole, sums, update, merges):
     """One device: the microbatches one after another through every layer, then back."""
     n, k, s = counts
-    stacked, other, x0, side = args[:n], args[n:n + k], args[n + k], args[n + k + 1:]
+    stacked, other, x0 = args[:n], args[n:n + k], args[n + k]
+    side, state = args[n + k + 1:n + k + 1 + s], args[n + k + 1 + s:]
+    merged = [jnp.zeros_like(a) if how == "sum" else a for a, how in zip(state, merges, strict=True)]
     depth = stacked[0].shape[0]
     loss = jnp.zeros((), tail.out_avals[0].dtype)
     d_stacked = [jnp.zeros(a.shape, dt) for a, dt in zip(stacked, sums, strict=True)]
@@ -214,16 +248,26 @@ def _impl(*args, fwd, bwd, tail, axis, kind, virtual, counts, whole, sums):
     for i in range(x0.shape[0]):
         x, kept = x0[i], []
         for j in range(depth):
-            x, *res = jax.core.eval_jaxpr(fwd.jaxpr, fwd.consts, *[a[j] for a in stacked], x)
+            lj = [*(a[j] for a in stacked), *(a[j] for a in state)]
+            if state:
+                left = jax.core.eval_jaxpr(update.jaxpr, update.consts, *lj, x)
+                merged = [_merge(a, j, b, how) for a, b, how in zip(merged, left, merges, strict=True)]
+            x, *res = jax.core.eval_jaxpr(fwd.jaxpr, fwd.consts, *lj, x)
             kept.append(res)
         li, *do, dy = jax.core.eval_jaxpr(tail.jaxpr, tail.consts, *other, x, *[a[i] for a in side])
         loss = loss + li
         d_other = [a + b for a, b in zip(d_other, do, strict=True)]
         for j in reversed(range(depth)):
-            *dl, dy = jax.core.eval_jaxpr(bwd.jaxpr, bwd.consts, *[a[j] for a in stacked], *kept[j], dy)
+            *dl, dy = jax.core.eval_jaxpr(bwd.jaxpr, bwd.consts, *[a[j] for a in stacked], *[a[j] for a in state],
+                                          *kept[j], dy)
             d_stacked = [a.at[j].add(b.astype(a.dtype)) for a, b in zip(d_stacked, dl, strict=True)]
         dx0.append(dy)
-    return [loss, *d_stacked, *d_other, jnp.stack(dx0)]
+    return [loss, *d_stacked, *d_other, jnp.stack(dx0), *merged]
+
+
+def _merge(merged: jax.Array, at: Any, left: jax.Array, how: str) -> jax.Array:
+    """The state merged over the microbatches so far (``merged[at]``: a layer's) with what one more call left."""
+    return merged.at[at].add(left) if how == "sum" else merged.at[at].set(left)
 
 
 def _primitive() -> jc.Primitive:
@@ -243,13 +287,14 @@ pipeline_p = _primitive()
 @control("jshard_pipeline")
 def plan_pipeline(eqn: jc.JaxprEqn, specs: list[Spec], mesh: Mesh) -> tuple[Choice, Callable, tuple]:
     prm = eqn.params
-    n, k, _ = prm["counts"]
+    n, k, s = prm["counts"]
     axis, v = prm["axis"], prm["virtual"]
     if axis not in mesh.axis_names:
         raise ValueError(f"pipeline: mesh axis {axis!r} is not in the mesh (axes {mesh.axis_names}); name one of them")
     ax = mesh.axis_names.index(axis)
     p = mesh.shape[axis]
-    stacked, other, x0, side = specs[:n], specs[n:n + k], specs[n + k], specs[n + k + 1:]
+    stacked, other, x0 = specs[:n], specs[n:n + k], specs[n + k]
+    side, state = specs[n + k + 1:n + k + 1 + s], specs[n + k + 1 + s:]
     depth, m = stacked[0].shape[0], x0.shape[0]
     sched = make_schedule(prm["kind"], p, m, v)
     split = split_placement(v)
@@ -262,21 +307,24 @@ def plan_pipeline(eqn: jc.JaxprEqn, specs: list[Spec], mesh: Mesh) -> tuple[Choi
     ins_stacked = [_along(sp, ax, split, keep_dim0=False, whole=prm["whole"]) for sp in stacked]
     ins_other = [_along(sp, ax, Replicate(), keep_dim0=True, whole=prm["whole"]) for sp in other]
     ins_x0, *ins_side = [_along(sp, ax, Replicate(), keep_dim0=False) for sp in (x0, *side)]
+    ins_state = [_along(sp, ax, split, keep_dim0=False, whole=names) for sp in state]  # small: whole in a stage
     layer = [_inner(sp, sub, ax, drop_dim0=True) for sp in ins_stacked]
+    kept_state = [_inner(sp, sub, ax, drop_dim0=True) for sp in ins_state]
     tail_in = [_inner(sp, sub, ax, drop_dim0=False) for sp in ins_other]
     x = _inner(ins_x0, sub, ax, drop_dim0=True)
     side_in = [_inner(sp, sub, ax, drop_dim0=True) for sp in ins_side]
 
-    x, fwd = _steady(prm["fwd"], layer, x, sub)
+    x, fwd = _steady(prm["fwd"], layer + kept_state, x, sub)
     fwd_jaxpr, bwd_jaxpr = prm["fwd"], prm["bwd"]
-    lighter = _lightened(fwd_jaxpr, fwd, layer + [x], bwd_jaxpr, n)
+    lighter = _lightened(fwd_jaxpr, fwd, layer + kept_state + [x], bwd_jaxpr, n + len(state))
     if lighter is not None:  # each residual kept as the first plan laid it out
         fwd_jaxpr, bwd_jaxpr, kept = lighter
         free = (None,) * len(sub.axis_names)
-        fwd = plan_jaxpr(_pinned(fwd_jaxpr, (free, *(free if q is None else q for q in kept))), layer + [x], sub)
+        fwd = plan_jaxpr(_pinned(fwd_jaxpr, (free, *(free if q is None else q for q in kept))),
+                         layer + kept_state + [x], sub)
     ins_x0 = _outer(x, mesh, ax, Replicate(), stack=m)
     res = list(fwd.out_specs[1:])  # the residuals a stage stashes, as the forward unit makes them
-    bwd = plan_jaxpr(_pinned(bwd_jaxpr, _gradient_pins(layer)), layer + res + [x], sub)
+    bwd = plan_jaxpr(_pinned(bwd_jaxpr, _gradient_pins(layer)), layer + kept_state + res + [x], sub)
     tail = plan_jaxpr(prm["tail"], tail_in + [x] + side_in, sub)
     whole = (Replicate(),) * len(sub.axis_names)
     fwd_pins = [x] + [None] * len(res)
@@ -289,9 +337,12 @@ def plan_pipeline(eqn: jc.JaxprEqn, specs: list[Spec], mesh: Mesh) -> tuple[Choi
     outs = [_outer(tail_pins[0], mesh, ax, Partial("sum"), stack=None),
             *[_outer(sp, mesh, ax, split, stack=depth) for sp in summed],
             *[_outer(sp, mesh, ax, Partial("sum"), stack=None) for sp in d_other],
-            _outer(x, mesh, ax, Partial("sum"), stack=m)]
+            _outer(x, mesh, ax, Partial("sum"), stack=m),
+            *[_outer(sp, mesh, ax, split, stack=depth) for sp in kept_state]]
+    update = plan_jaxpr(prm["update"], layer + kept_state + [x], sub) if state else None
     kernel = _kernel(sched, axis, depth, local_function(fwd, fwd_pins), local_function(bwd, bwd_pins),
                      local_function(tail, tail_pins), counts=prm["counts"], loss_dtype=tail_pins[0].dtype,
+                     update=update and (local_function(update, kept_state), prm["merges"]),
                      accumulators=([(sp.local_block_shape, sp.dtype) for sp in d_layer],
                                    [(sp.local_block_shape, sp.dtype) for sp in d_other]), sums=prm["sums"],
                      residuals=[(sp.local_block_shape, sp.dtype) for sp in res])
@@ -299,12 +350,13 @@ def plan_pipeline(eqn: jc.JaxprEqn, specs: list[Spec], mesh: Mesh) -> tuple[Choi
                 describe=lambda *_: f"{sched!r}\n{sched.table()}")
     runs = m * -(-depth // p)  # each layer's forward and backward once per microbatch (the fullest stage's)
     bodies = (Body("layer forward", fwd, fwd_pins, runs=runs), Body("layer backward", bwd, bwd_pins, runs=runs),
-              Body("tail", tail, tail_pins, runs=m))
+              Body("tail", tail, tail_pins, runs=m), *([Body("layer state", update, kept_state, runs=runs)] if state else []))
     model = model_in_force()
-    cost = (move_cost(specs, ins_stacked + ins_other + [ins_x0] + ins_side)
+    cost = (move_cost(specs, ins_stacked + ins_other + [ins_x0] + ins_side + ins_state)
             + sum(b.runs * (b.plan.cost + move_cost(b.plan.out_specs, b.pins)) for b in bodies)
             + sum(c.cost(model, dict(mesh.shape)) for c in _sends(sched, axis, x)))
-    return Choice(tuple(ins_stacked + ins_other + [ins_x0] + ins_side), tuple(outs), cost, rule), kernel, bodies
+    return Choice(tuple(ins_stacked + ins_other + [ins_x0] + ins_side + ins_state), tuple(outs), cost, rule), kernel, \
+        bodies
 
 
 def _gradient_pins(layer: list[Spec]) -> tuple:
@@ -566,12 +618,13 @@ def _sends(sched, axis: str, x: Spec) -> list[Communication]:
 
 
 def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Callable, counts, loss_dtype,
-            accumulators, sums, residuals) -> Callable:
-    """The per-device loop over the schedule's ticks (see the module's docstring). ``accumulators``: the local
-    (shape, dtype) of one layer's gradients and of the tail's, as their plans make them; ``sums``: the dtypes a
-    layer's gradients are summed in; ``residuals``: of what a layer's forward unit keeps for its backward unit. The
-    loss is summed in float32 and returned as ``loss_dtype``."""
-    n, k, _ = counts
+            update, accumulators, sums, residuals) -> Callable:
+    """The per-device loop over the schedule's ticks (see the module's docstring). ``update``: None, or a layer's
+    state unit (what a call leaves of its state) and how each state array merges over the microbatches;
+    ``accumulators``: the local (shape, dtype) of one layer's gradients and of the tail's, as their plans make them;
+    ``sums``: the dtypes a layer's gradients are summed in; ``residuals``: of what a layer's forward unit keeps for
+    its backward unit. The loss is summed in float32 and returned as ``loss_dtype``."""
+    n, k, s = counts
     p, v, slots = sched.stages, sched.virtual_stages, sched.slots
     per = -(-depth // (p * v))  # uneven stages (one chunk a device): the last hold fewer, their rows past depth idle
     tables = _tables(sched)
@@ -587,11 +640,18 @@ def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Ca
 
     uneven = depth % (p * v) != 0
 
-    def layers_forward(chunk, real, x):  # the chunk's output, and each layer's residuals stacked [per, ...]
+    def layers_forward(chunk, real, x):  # the chunk's output, and each layer's residuals and state left [per, ...]
         def step(x, lr):
-            idle = lambda: [x, *(jnp.zeros(shape, dtype) for shape, dtype in residuals)]  # noqa: E731
-            out = jax.lax.cond(lr[1], lambda: fwd(*lr[0], x), idle) if uneven else fwd(*lr[0], x)
-            return out[0], out[1:]
+            def run():
+                left = update[0](*lr[0], x) if update else []
+                return [*fwd(*lr[0], x), *left]
+
+            # an idle layer leaves its state as it found it: merged, that adds nothing or keeps the last real value
+            idle = lambda: [x, *(jnp.zeros(shape, dtype) for shape, dtype in residuals),  # noqa: E731
+                            *(jnp.zeros_like(a) if how == "sum" else a for a, how in zip(lr[0][n:], merges,
+                                                                                         strict=True))]
+            out = jax.lax.cond(lr[1], run, idle) if uneven else run()
+            return out[0], (out[1:len(out) - len(merges)], out[len(out) - len(merges):])
 
         return jax.lax.scan(step, x, (chunk, real))
 
@@ -604,9 +664,12 @@ def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Ca
         dx, dl = jax.lax.scan(step, dy, (chunk, kept, real), reverse=True)
         return list(dl), dx
 
+    merges = update[1] if update else ()
+
     def run(*blocks):
-        stacked, other, x0, side = blocks[:n], blocks[n:n + k], blocks[n + k], blocks[n + k + 1:]
-        chunks = [a.reshape((v, per) + a.shape[1:]) for a in stacked]
+        stacked, other, x0 = blocks[:n], blocks[n:n + k], blocks[n + k]
+        side, state = blocks[n + k + 1:n + k + 1 + s], blocks[n + k + 1 + s:]
+        chunks = [a.reshape((v, per) + a.shape[1:]) for a in (*stacked, *state)]
         d = jax.lax.axis_index(axis)
         real = d * per + jnp.arange(per) < depth  # v == 1 where stages are uneven; else every layer is real
         tab = {name: jnp.asarray(t) for name, t in tables.items()}
@@ -615,7 +678,9 @@ def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Ca
         carry = dict(stash=stash, fin=buf, bin=buf, loss=jnp.zeros((), jnp.float32),
                      grads=[jnp.zeros((v, per) + shape, dtype)
                             for (shape, _), dtype in zip(accumulators[0], sums, strict=True)],
-                     other=[jnp.zeros(shape, dtype) for shape, dtype in accumulators[1]], dx0=jnp.zeros_like(x0))
+                     other=[jnp.zeros(shape, dtype) for shape, dtype in accumulators[1]], dx0=jnp.zeros_like(x0),
+                     state=[jnp.zeros_like(a) if how == "sum" else a
+                            for a, how in zip(chunks[n:], merges, strict=True)])
 
         def at(name, t):
             return tab[name][t, d]
@@ -626,8 +691,9 @@ def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Ca
             def forward(c):
                 slot = fm % slots
                 xin = jnp.where(at("first_f", t), x0[fm], c["fin"][fc, slot])
-                y, kept = layers_forward([a[fc] for a in chunks], real, xin)
-                c = dict(c, stash=[s.at[fc, slot].set(r) for s, r in zip(c["stash"], kept, strict=True)])
+                y, (kept, left) = layers_forward([a[fc] for a in chunks], real, xin)
+                c = dict(c, stash=[a.at[fc, slot].set(r) for a, r in zip(c["stash"], kept, strict=True)],
+                         state=[_merge(a, fc, b, how) for a, b, how in zip(c["state"], left, merges, strict=True)])
 
                 def loss_of(c):
                     li, *do, dy = tail(*other, y, *[a[fm] for a in side])
@@ -641,7 +707,7 @@ def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Ca
 
             def backward(c):
                 slot = bm % slots
-                dl, dx = layers_backward([a[bc] for a in chunks], real, [s[bc, slot] for s in c["stash"]],
+                dl, dx = layers_backward([a[bc] for a in chunks], real, [a[bc, slot] for a in c["stash"]],
                                          c["bin"][bc, slot])
                 grads = [g.at[bc].add(e.astype(g.dtype)) for g, e in zip(c["grads"], dl, strict=True)]
                 dx0 = jnp.where(at("first_b", t), c["dx0"].at[bm].set(dx), c["dx0"])
@@ -654,8 +720,8 @@ def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Ca
             return dict(c, fin=fin, bin=bin_)
 
         c = jax.lax.fori_loop(0, sched.ticks, tick, carry)
-        grads = [g.reshape((v * per,) + g.shape[2:]) for g in c["grads"]]
-        return [c["loss"].astype(loss_dtype), *grads, *c["other"], c["dx0"]]
+        grads, state = ([a.reshape((v * per,) + a.shape[2:]) for a in c[name]] for name in ("grads", "state"))
+        return [c["loss"].astype(loss_dtype), *grads, *c["other"], c["dx0"], *state]
 
     return run
 

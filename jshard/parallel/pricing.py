@@ -353,7 +353,8 @@ def _pipeline_time(eq, bodies: list[dict], rates: Rates, sizes: dict) -> float:
     m = eq.choice.ins[sum(prm["counts"][:2])].shape[0]
     sched = make_schedule(prm["kind"], p, m, prm["virtual"])
     layers = -(-depth // (p * prm["virtual"]))  # the fullest stage's (uneven stages: the last hold fewer)
-    forward, backward, tail = (_unit_us(f, rates) for f in bodies)
+    forward, backward, tail, *state = (_unit_us(f, rates) for f in bodies)  # state: what a layer's call leaves
+    forward += sum(state)
     busy = layers * (forward * (sched.forward >= 0) + backward * (sched.backward >= 0))
     busy[:, -1] += tail * (sched.forward[:, -1] >= 0)
     return float(busy.max(axis=1).sum())
@@ -473,7 +474,7 @@ def _pipeline_held(eq) -> int:
     sched = make_schedule(prm["kind"], p, x0.shape[0], prm["virtual"])
     per = -(-eq.choice.ins[0].shape[0] // (p * prm["virtual"]))
     kept = sum(sp.local_bytes for sp in eq.bodies[0].plan.out_specs[1:])  # one layer's residuals, a microbatch
-    forward, backward, tail = (_peak(b.plan, {}, _fused(b.plan))(0) for b in eq.bodies)
+    forward, backward, tail = (_peak(b.plan, {}, _fused(b.plan))(0) for b in eq.bodies[:3])
     bodies = max(forward, backward, tail)  # one at a time: the tail after the forward unit, the backward after both
     return prm["virtual"] * sched.slots * (2 * (x0.local_bytes // x0.shape[0]) + per * kept) + bodies
 

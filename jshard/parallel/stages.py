@@ -76,9 +76,10 @@ from ..engine.constrain import hidden_axis
 from ..engine.program import tracing_mesh
 from ..jaxcompat import jc, open_jaxpr, run_equations, scan_params, source_info_util
 from ..placements import Replicate, shift_dims
-from .pipeline import split_placement, value_and_grad_read
+from .pipeline import MERGES, split_placement, value_and_grad_read
 
-__all__ = ["PipelineStep", "Pipelined", "StackedStages", "Stages", "blocks_differ", "stacked_placements"]
+__all__ = ["PipelineStep", "Pipelined", "StackedStages", "Stages", "blocks_differ", "carried", "stacked_placements",
+           "unmerged"]
 
 # equations are attributed to the user's line: jshard's own wrappers are not it
 source_info_util.register_exclusion(os.path.abspath(__file__))
@@ -160,8 +161,11 @@ class Stages:
                 for members in by_name.values()]
 
     def install(self, module: nnx.List) -> nnx.Module:
-        """The ``Pipelined`` module that takes the list's place (its first block holds the stacks by now)."""
+        """The ``Pipelined`` module that takes the list's place (its first block holds the stacks by now, and takes
+        the blocks' state stacked the same way)."""
         blocks = list(module)
+        for path, v in carried(blocks[0]):
+            v.set_value(jnp.stack([dict(carried(b))[path].get_value() for b in blocks]))
         return Pipelined(blocks[0], len(blocks), self.style)
 
 
@@ -245,11 +249,26 @@ def blocks_differ(blocks: Sequence[nnx.Module], *, stateless: bool = True) -> st
             return (f"block {i} ({type(b).__name__}) differs from block 0 ({type(blocks[0]).__name__}) in its "
                     "structure, settings (attributes such as a head count), parameter shapes or dtypes; the blocks "
                     "must be identical")
-    state = jax.tree.leaves(nnx.state(blocks[0], nnx.Not(nnx.Param))) if stateless else []
-    if state:
-        return (f"the blocks hold state besides parameters ({type(state[0]).__name__}: RNG streams, batch "
-                "statistics); pipelined blocks are those whose state is their parameters")
+    bad = unmerged(carried(blocks[0])) if stateless else None
+    if bad is not None:
+        return (f"the blocks hold state besides parameters ({type(bad).__name__}: RNG streams, batch "
+                "statistics) that does not say how a step's microbatches merge it; pipelined blocks hold "
+                f"parameters, and state whose Variable says merge= one of {MERGES} (a mixture's load and routing "
+                "bias: jshard.gpt.Balance)")
     return None
+
+
+def carried(module: nnx.Module) -> list[tuple[tuple, nnx.Variable]]:
+    """The variables inside ``module`` besides its parameters (a mixture's routing bias and load, RNG streams),
+    with their paths, in ``nnx.iter_graph`` order."""
+    return [(tuple(path), v) for path, v in nnx.iter_graph(module)
+            if isinstance(v, nnx.Variable) and not isinstance(v, nnx.Param)]
+
+
+def unmerged(variables: list[tuple[tuple, nnx.Variable]]) -> nnx.Variable | None:
+    """The first of ``variables`` (``carried``'s) that does not say how a pipelined step's microbatches merge what
+    each call leaves of it (``merge=`` one of ``pipeline.MERGES`` in its metadata), None where all do."""
+    return next((v for _, v in variables if v.get_metadata().get("merge") not in MERGES), None)
 
 
 def _signature(module: nnx.Module) -> tuple:
@@ -317,26 +336,38 @@ class PipelineStep:
             return loss_fn(model_of(s, o), *jax.tree.unflatten(batch_tree, mb))
 
         where = "/".join(map(str, path))
+        # the blocks' state (stacked like their parameters): each microbatch runs with it as the step found it
+        holder = nnx.merge(graphdef, params, rest, copy=True)
+        prefix = tuple(path) + self.stack
+        held = [(p[len(prefix):], v) for p, v in carried(holder) if p[:len(prefix)] == prefix]
         if self.stack:
-            before, layer, tail = _taped(self, module, lambda o, *mb: loss_of(stacked, o, *mb), where)
+            before, layer, tail = _taped(self, module, lambda o, *mb: loss_of(stacked, o, *mb), where,
+                                         [p for p, _ in held])
         else:
             before, layer, tail = _scanned(self, loss_of, stacked, other, micro, where)
         x0, pull = jax.vjp(lambda o: jax.vmap(lambda *mb: before(o, *mb))(*micro), other)
         if self.stack:
             _check_standins(tail, other, micro, x0, self.depth)
-        loss, d_stacked, d_other, dx0 = value_and_grad_read(
+        loss, d_stacked, d_other, dx0, left = value_and_grad_read(
             layer, tail, stacked, other, x0, tuple(micro), axis=style.axis, schedule=style.schedule,
-            virtual_stages=style.virtual_stages, remat=style.remat, whole=style.whole)
+            virtual_stages=style.virtual_stages, remat=style.remat, whole=style.whole,
+            state=[v.get_value() for _, v in held], merges=[v.get_metadata()["merge"] for _, v in held])
         (d_before,) = pull(dx0)
         d_other = [b if a is None else a + b for a, b in zip(d_other, d_before, strict=True)]
+        for (_, v), a in zip(held, left, strict=True):
+            v.set_value(a)
+        rest = nnx.split(holder, nnx.Param, ...)[2] if held else rest
         return (loss, rest), jax.tree.unflatten(tree, _interleave(inside, d_stacked, d_other))
 
 
-def _taped(step: PipelineStep, pipelined: Pipelined, loss_of: Callable, where: str) -> tuple[Callable, ...]:
+def _taped(step: PipelineStep, pipelined: Pipelined, loss_of: Callable, where: str,
+           held: list[tuple]) -> tuple[Callable, ...]:
     """``(before, layer, tail)`` of a ``Pipelined`` list, found by running the model with its blocks recording their
-    calls (``_Tape``)."""
+    calls (``_Tape``); ``held``: the paths inside a block of its state besides parameters, which ``layer`` then
+    takes and leaves (``layer(params, state, x) -> (y, state)``)."""
     block_graphdef = nnx.graphdef(pipelined.layers)
     block_tree = jax.tree.structure(nnx.state(pipelined.layers, nnx.Param), is_leaf=lambda a: isinstance(a, DArray))
+    block_rest = nnx.state(pipelined.layers, nnx.Not(nnx.Param))
 
     def before(o, *mb):
         with _taping(_Tape("before", step.depth)):
@@ -347,8 +378,15 @@ def _taped(step: PipelineStep, pipelined: Pipelined, loss_of: Callable, where: s
         raise ValueError(f"TrainStep: loss_fn never called the pipelined blocks at {where}; the model must run them, "
                          "for block in self.blocks: x = block(x)")
 
-    def layer(lp, x):
-        return nnx.merge(block_graphdef, jax.tree.unflatten(block_tree, lp))(x)
+    def layer(lp, *args):
+        block = nnx.merge(block_graphdef, jax.tree.unflatten(block_tree, lp), block_rest, copy=True)
+        if not held:
+            return block(*args)
+        ls, x = args
+        variables = dict(carried(block))
+        for path, a in zip(held, ls, strict=True):
+            variables[path].set_value(a)
+        return block(x), [variables[path].get_value() for path in held]
 
     def tail(o, x, *mb, standins=None):
         tape = _Tape("after", step.depth, x, standins or [jnp.zeros_like(x)] * (step.depth - 1))

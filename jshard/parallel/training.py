@@ -49,6 +49,8 @@ from ..placements import Replicate
 from ..planner import check_cost_model
 from ..spec import Spec
 from .parallelize import holds_darray, kind_of, placements_of
+from .pipeline import MERGES
+from .stages import carried, unmerged
 
 __all__ = ["TrainStep", "check_tx", "init_optimizer", "mirror_placements", "step_function"]
 
@@ -106,13 +108,20 @@ class TrainStep:
         # under key 0, the _Hot of the last step: forgotten by jshard.clear_caches(), as the step's programs are
         self._hot = Cache(1)
         hooks = step_hooks(model)
-        if hooks and jax.tree.leaves(rest):
-            # a pipeline's microbatches would draw the same dropout masks, step after step: refused, not wrong
-            kind = type(jax.tree.leaves(rest, is_leaf=lambda v: isinstance(v, nnx.Variable))[0]).__name__
-            raise ValueError(f"TrainStep: {type(model).__name__} takes its step by {hooks[0][1].label} and holds state "
-                             f"besides its parameters ({kind}: RNG streams for dropout, batch statistics), which such "
-                             "a step does not carry yet; keep that state out of the model (pass rngs to the layers "
-                             f"that draw) or train it without {hooks[0][1].label}")
+        if hooks:
+            # a pipeline's microbatches would draw the same dropout masks, step after step: refused, not wrong;
+            # its blocks' state that says how microbatches merge it (a mixture's balancing) is carried
+            (path, hook, _), = hooks
+            prefix = path + getattr(hook, "stack", ())
+            variables = carried(model)
+            outside = [(p, v) for p, v in variables if p[:len(prefix)] != prefix]
+            bad = next((v for _, v in outside), None) if outside else unmerged(variables)
+            if bad is not None:
+                raise ValueError(f"TrainStep: {type(model).__name__} takes its step by {hook.label} and holds state "
+                                 f"besides its parameters ({type(bad).__name__}: RNG streams for dropout, batch "
+                                 "statistics), which such a step does not carry; keep that state out of the model "
+                                 f"(pass rngs to the layers that draw) or train it without {hook.label}. A pipelined "
+                                 f"block's own state is carried where its Variable says merge= one of {MERGES}")
         self._step = step_function(model, tx, loss_fn, donate=donate, cost_model=cost_model)
 
     def __call__(self, *batch) -> DArray:

@@ -3,6 +3,8 @@ there while the mixture runs (the tokens travel to the experts by all-to-all, th
 data parallelism (on an axis of its own, or on the batch's axis), FSDP over the rest, tensor parallelism and a
 pipeline, a mixture-of-experts GPT trains like one device on 8, 2x4, 1x8 and one device."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,6 +90,40 @@ def test_a_mixture_of_experts_gpt_trains_like_one_device(shape, style, axes, dat
         ref_params["blocks"] = {"layers": jax.tree.map(lambda *b: np.stack(b), *(blocks[i] for i in range(L)))}
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(ref_params), strict=True):
         assert_close(g.full(), w, n=N * 5, terms=tree_scale(ref_params))
+
+
+def balanced_gpt(layers=L):
+    return GPT(vocab=V, dim=D, heads=H, layers=layers, seq=T, rngs=nnx.Rngs(0), experts=E, top_k=2, balance=1e-1)
+
+
+@pytest.mark.parametrize("shape,axes,data,layers", [
+    pytest.param((2, 4), dict(pp="dp", ep="tp", microbatches=2), (R, Shard(0)), L, id="pp2xep4"),
+    pytest.param((2, 4), dict(pp="a", ep="b", microbatches=4), (R, Shard(0)), 3, id="pp2xep4-uneven",
+                 marks=pytest.mark.slow),  # 3 layers over 2 stages: the second holds one and an idle row
+    pytest.param((1, 8), dict(pp="dp", ep="tp", microbatches=2), (R, Shard(0)), L, id="pp1xep8"),
+    pytest.param((1, 1), dict(pp="a", ep="b", microbatches=2), (R, R), L, id="one-device"),
+])
+def test_a_balanced_mixture_in_pipeline_stages_trains_like_one_device(shape, axes, data, layers):
+    """The routing bias and load (state, not parameters) of a mixture's blocks are carried through a pipelined
+    step: every microbatch routes with the state as the step found it, the loads are summed over the microbatches,
+    so the step's losses, parameters, bias and load are one device's on the whole batch."""
+    mesh = jax.make_mesh(shape, ("dp", "tp") if "dp" in axes.values() else ("a", "b"),
+                         devices=jax.devices()[:int(np.prod(shape))])
+    styles, default = plan("pp+ep", **axes)
+    make = functools.partial(balanced_gpt, layers)
+    model = parallelize(make, mesh, styles, default=default)
+    tx = optax.adamw(1e-2, eps=1e-4)
+    step, ref = TrainStep(model, tx, loss_fn), one_device_trainer(make(), tx, loss_fn)
+    losses, want = train_alongside(step, ref, mesh, data, batches(3))
+    assert curve_ratio(losses, want, n_per_step=summed_terms(V, D, layers, T, B, steps=3) // 3) <= 1, (losses, want)
+    moe, ref_blocks = step.model.blocks.layers.moe, ref.model().blocks
+    for name in ("bias", "load"):
+        got = np.asarray(getattr(moe, name).get_value().full())
+        theirs = np.stack([np.asarray(getattr(ref_blocks[i].moe, name).get_value()) for i in range(layers)])
+        np.testing.assert_allclose(got, theirs, atol=1e-6)
+    assert np.abs(np.asarray(moe.bias.get_value().full())).max() > 0  # the bias moved: the state was carried
+    # every layer's load counts each of the last batch's tokens top_k times, summed over the microbatches
+    np.testing.assert_array_equal(np.asarray(moe.load.get_value().full()).sum(axis=1), [B * T * 2] * layers)
 
 
 def test_expert_parallel_reads_the_expert_count_or_asks_for_it():
