@@ -350,7 +350,8 @@ def plan_pipeline(eqn: jc.JaxprEqn, specs: list[Spec], mesh: Mesh) -> tuple[Choi
                 describe=lambda *_: f"{sched!r}\n{sched.table()}")
     runs = m * -(-depth // p)  # each layer's forward and backward once per microbatch (the fullest stage's)
     bodies = (Body("layer forward", fwd, fwd_pins, runs=runs), Body("layer backward", bwd, bwd_pins, runs=runs),
-              Body("tail", tail, tail_pins, runs=m), *([Body("layer state", update, kept_state, runs=runs)] if state else []))
+              Body("tail", tail, tail_pins, runs=m),
+              *([Body("layer state", update, kept_state, runs=runs)] if state else []))
     model = model_in_force()
     cost = (move_cost(specs, ins_stacked + ins_other + [ins_x0] + ins_side + ins_state)
             + sum(b.runs * (b.plan.cost + move_cost(b.plan.out_specs, b.pins)) for b in bodies)

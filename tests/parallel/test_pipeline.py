@@ -22,8 +22,7 @@ from jshard import Replicate, Shard
 from jshard.engine.walk import plan_jaxpr
 from jshard.gpt import GPT, cross_entropy
 from jshard.gpt import plan as gpt_plan
-from jshard.parallel import PipelineParallel, TrainStep, parallelize
-from jshard.parallel import pipeline
+from jshard.parallel import PipelineParallel, TrainStep, parallelize, pipeline
 from jshard.parallel.pipeline import _forward_and_backward, _lightened, _routes, _sends, pipeline_value_and_grad
 from jshard.parallel.schedule import make_schedule
 from jshard.spec import Spec
