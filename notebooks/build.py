@@ -875,7 +875,7 @@ for row in published:
            "pipeline starts), on 8,192 and 16,384 GPUs, the published batch of 2,048 sequences in microbatches of "
            "one sequence a replica. A stage keeps its layers' residuals for twice the microbatches an asynchronous "
            "1F1B holds, so its memory is over what the run held (`python benchmarks/published.py` prints the same "
-           "on Megatron-LM's deepest pipelines, whose MFU it predicts within 11%). The cell checks torchtitan's rows "
+           "on Megatron-LM's deepest pipeline, whose MFU it predicts within 6%). The cell checks torchtitan's rows "
            "within a factor 1.5 (the issue's target is 20%) and Llama 3's within a factor 3; the printed error is "
            "the figure to read."),
     ("code", '''print(f"{'run':<46} {'published':>10} {'predicted':>10} {'error':>7} {'GiB a chip':>11}")
@@ -991,7 +991,8 @@ plt.tight_layout(); plt.show()
 assert len(mfu_ax.collections) == sum(map(len, SWEEP.values())) + len(published) + len(as_priced)  # every point'''),
     ("md", "## What autoplan chooses\n"
            "`autoplan(make, chips, loss_fn, *batch, hardware=)` searches the layouts of a chip count: the data "
-           "axis (FSDP, data parallel where the state fits a chip, HSDP), a pipeline over a divisor of the layers, "
+           "axis (FSDP, data parallel where the state fits a chip, HSDP), a pipeline (its stages holding the layers "
+           "evenly or not, none left without one), "
            "the tensor axis inside a node, and blocks recomputed or gradients accumulated over microbatches (a "
            "pipeline of one stage, `pp1`) where a step is over the chip's HBM; it returns the "
            "fastest predicted to fit, with `explain()` saying why it beats the runners-up. On 8 H100s for 8B (the "
@@ -1020,9 +1021,10 @@ assert plans  # at least one searched'''),
            "over 2,048 data replicas starts at 11 hops of 10 µs, not 2,047; a 405B step still runs one for every "
            "weight of each of its 126 layers in each pass, and the cell below prints how much of the step is "
            "inter-node collectives.\n"
-           "- **Pipelines.** On Megatron-LM's pipelined rows the predicted MFU is within 11% (`python "
+           "- **Pipelines.** On Megatron-LM's pipelined rows the predicted MFU is within 6% (`python "
            "benchmarks/published.py`); a stage holds its residuals for twice the microbatches of an asynchronous "
-           "1F1B (the lockstep schedule's), so the deepest pipelines are predicted over their chip's HBM.\n"
+           "1F1B (the lockstep schedule's), so the deepest pipeline (462B over 16 stages) is predicted over its "
+           "chip's HBM.\n"
            "- **Constants and checkpointing.** The share of peak a matmul reaches and the share of the "
            "collectives hidden behind compute are fitted on half the published rows (printed below), and "
            "torchtitan keeps its matmuls' outputs where `predict` recomputes whole blocks: the error on "

@@ -270,7 +270,7 @@ def _factorings(model, chips: int, styles: tuple, batch: tuple, depth: int, hard
     """The ways to lay ``chips`` out, outermost first: the data axis (``fsdp``; ``dp`` too where the model's
     parameters, gradients and Adam's state fit a chip replicated over it; HSDP, ``_data_splits``), ``ep`` inside it
     for mixtures of ``experts`` experts (over a divisor of their count),
-    a pipeline (``pp``, over a divisor of the blocks), context parallelism (``cp``, for sequences of 16K tokens and
+    a pipeline (``pp``, its stages holding the blocks evenly or not: ``_stages``), context parallelism (``cp``, for sequences of 16K tokens and
     more), and tensor parallelism innermost (``sp``, else ``tp``) over a divisor of a node's chips. A pipeline runs
     one sequence per data-parallel replica a microbatch (Megatron's micro-batch of one: the smallest bubble, and
     1F1B's memory does not grow with the count), where that gives it at least as many microbatches as stages.
@@ -282,7 +282,7 @@ def _factorings(model, chips: int, styles: tuple, batch: tuple, depth: int, hard
     state = 16 * sum(math.prod(np.shape(v)) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
     out, seen = [], set()
     for t in [t for t in _divisors(math.gcd(node, chips)) if t == 1 or tensor_role]:
-        for p in [p for p in _divisors(chips // t) if p == 1 or ("pp" in styles and depth and depth % p == 0)]:
+        for p in [p for p in _divisors(chips // t) if p == 1 or ("pp" in styles and _stages(depth, p))]:
             for c in [c for c in _divisors(chips // (t * p))
                       if c == 1 or ("cp" in styles and seq >= 16384 and c <= 16 and seq % (2 * c) == 0)]:
                 data = chips // (t * p * c)
@@ -334,6 +334,13 @@ def _data_splits(data: int, styles: tuple, state: float, hbm: int) -> list[list[
     return out
 
 
+def _stages(depth: int, p: int) -> bool:
+    """Whether ``p`` pipeline stages take ``depth`` blocks: each stage holds ``ceil(depth / p)`` (uneven where ``p``
+    does not divide them, the last stages holding fewer: Llama 3 405B's 126 layers over 16), and none is left
+    without a block."""
+    return depth >= p and -(-depth // p) * (p - 1) < depth
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -341,7 +348,8 @@ def _divisors(n: int) -> list[int]:
 def _candidates(mesh: Mesh, styles: tuple[str, ...], batch: tuple, depth: int) -> list[dict[str, str]]:
     """Every role assignment, one per class of assignments that differ only by a permutation of interchangeable
     axes (same size); an axis of size 1 does nothing, whatever its role, and is left ``"dp"``. A pipeline needs
-    ``depth`` blocks (0: the model has no list of identical blocks) that its stages split, and microbatches."""
+    ``depth`` blocks (0: the model has no list of identical blocks) that its stages take (``_stages``), and
+    microbatches."""
     names, sizes = list(mesh.axis_names), dict(mesh.shape)
     options = [("dp",) if sizes[a] == 1 else styles for a in names]
     rows = min((b.shape[0] for b in batch if b.shape), default=1)
@@ -353,7 +361,7 @@ def _candidates(mesh: Mesh, styles: tuple[str, ...], batch: tuple, depth: int) -
         if rows % data:
             continue
         stages = [sizes[a] for a, r in zip(names, combo, strict=True) if r == "pp"]
-        if stages and (not depth or depth % stages[0] or pipeline_microbatches(stages[0], rows, data) is None):
+        if stages and (not _stages(depth, stages[0]) or pipeline_microbatches(stages[0], rows, data) is None):
             continue
         key = tuple(sorted((sizes[a], r) for a, r in zip(names, combo, strict=True)))
         if key in seen:

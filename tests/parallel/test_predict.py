@@ -252,6 +252,21 @@ def test_autoplan_lays_out_a_chip_count():
     assert float(step(*batch)) < first
 
 
+def test_autoplan_tries_stages_the_blocks_do_not_divide():
+    """Pipelines of stages that hold the blocks unevenly (3 over 2: Llama 3 405B's 126 layers over 16) are among the
+    plans searched, priced as ``predict`` prices them; stage counts that would leave a stage without a block are
+    not."""
+    ids = jax.ShapeDtypeStruct((64, SEQ), jnp.int32)
+    plan = autoplan(_make(layers=3), 8, _loss, ids, ids, hardware=Hardware.h100(), styles=("fsdp", "pp"),
+                    runners_up=50)
+    staged = {dict(zip(p.axis_names, p.mesh_shape, strict=True)).get("pp", 1): p for p in (plan, *plan.runners_up)}
+    assert 2 in staged and 4 not in staged and 8 not in staged, sorted(staged)  # 3 over 4 leaves a stage none
+    p = staged[2]
+    alone = predict(_make(layers=3), _loss, ids, ids, hardware=Hardware.h100(),
+                    roles=dict(zip(p.axis_names, p.mesh_shape, strict=True)), microbatches=p.detail["microbatches"])
+    assert alone.step_s == pytest.approx(p.step_us / 1e6, rel=1e-9)
+
+
 def test_units_declare_the_flops_pricing_counts():
     """Attention's and a mixture's matmuls run inside their units: each rule declares its FLOPs
     (``rules.function(..., flops=)``), so a step's priced compute covers the model's FLOPs (the recomputations
