@@ -61,7 +61,7 @@ class Hardware:
     """A chip and its network.
 
     ``flops``: dense bf16 FLOP/s per chip (the peak MFU is quoted against); ``efficiency``: the share of it the
-    model's matmuls reach (0.668 in the presets, fitted to published runs: ``docs/design.md``); ``hbm_bytes`` /
+    model's matmuls reach (0.667 in the presets, fitted to published runs: ``docs/design.md``); ``hbm_bytes`` /
     ``hbm_bandwidth``: the chip's memory and its bandwidth (bytes/s); ``chips_per_node``: chips joined by
     ``intra``; ``launch``: seconds a kernel or a collective costs besides its work; ``overlap``: the share of the
     data axes' collectives (gradient reduce-scatters, parameter gathers) that runs hidden behind compute, as
@@ -198,7 +198,7 @@ class Hardware:
 # the share of the collectives that hides behind compute, fitted to every other published run of
 # benchmarks/published.py (`--fit`: Megatron-LM's 1.7B, 16B, 70B, 177B and 462B rows, torchtitan's 8B on 128 GPUs;
 # docs/design.md); a launch's 5 µs chosen
-_FITTED = dict(efficiency=0.668, launch=5e-6, overlap=0.8)
+_FITTED = dict(efficiency=0.667, launch=5e-6, overlap=0.8)
 
 
 @functools.cache
