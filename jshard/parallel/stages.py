@@ -186,11 +186,13 @@ class StackedStages:
                              "a list of identical blocks held by a module attribute (nnx.List, say 'blocks') or on a "
                              "module stacking its layers (built by nnx.vmap, run by nnx.scan: every parameter with "
                              "one leading layer dim)")
-        state = jax.tree.leaves(nnx.state(module, nnx.Not(nnx.Param)))
+        state = carried(module)
         if state:
             raise ValueError(f"parallelize: {style.label} splits the layers of {where} into stages, and they hold "
-                             f"state besides parameters ({type(state[0]).__name__}: RNG streams, batch statistics); "
-                             "pipelined layers are those whose state is their parameters")
+                             f"state besides parameters ({type(state[0][1]).__name__}: RNG streams, batch "
+                             "statistics, a mixture's balancing), which a stack run by nnx.scan does not carry "
+                             "through a pipeline; keep the state out of the layers, or build them as a list of "
+                             "blocks (nnx.List), whose state a pipeline carries where its Variable says merge=")
         (self.depth,) = depths
         _check_depth(style, self.depth, f"the {self.depth} stacked layers of {where}", "layer", mesh)
 

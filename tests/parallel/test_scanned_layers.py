@@ -249,3 +249,8 @@ def test_a_pipelined_stack_is_refused_where_its_scan_is_not_a_chain_of_layers():
     with pytest.raises(ValueError, match=r"match it on a list of identical blocks .* or on a module stacking its "
                                          r"layers"):
         parallelize(lambda: GPT(V, D, H, 2, T, nnx.Rngs(0)), mesh, {"head": PipelineParallel("dp")})
+    # a scanned mixture's balancing state: carried through a pipeline of listed blocks, refused by name here
+    balanced = lambda: GPT(V, D, H, 2, T, nnx.Rngs(0), scan=True, experts=4, balance=1e-2)  # noqa: E731
+    with pytest.raises(ValueError, match=r"hold state besides parameters \(Balance.*a stack run by nnx.scan does not "
+                                         r"carry through a pipeline.*nnx.List"):
+        parallelize(balanced, mesh, {"blocks": PipelineParallel("dp", microbatches=2)})
