@@ -269,9 +269,9 @@ def _factorings(model, chips: int, styles: tuple, batch: tuple, depth: int, hard
                 experts: int) -> list[tuple[AbstractMesh, dict, dict]]:
     """The ways to lay ``chips`` out, outermost first: the data axis (``fsdp``; ``dp`` too where the model's
     parameters, gradients and Adam's state fit a chip replicated over it; HSDP, ``_data_splits``), ``ep`` inside it
-    for mixtures of ``experts`` experts (over a divisor of their count),
-    a pipeline (``pp``, its stages holding the blocks evenly or not: ``_stages``), context parallelism (``cp``, for sequences of 16K tokens and
-    more), and tensor parallelism innermost (``sp``, else ``tp``) over a divisor of a node's chips. A pipeline runs
+    for mixtures of ``experts`` experts (over a divisor of their count), a pipeline (``pp``, its stages holding the
+    blocks evenly or not: ``_stages``), context parallelism (``cp``, for sequences of 16K tokens and more), and
+    tensor parallelism innermost (``sp``, else ``tp``) over a divisor of a node's chips. A pipeline runs
     one sequence per data-parallel replica a microbatch (Megatron's micro-batch of one: the smallest bubble, and
     1F1B's memory does not grow with the count), where that gives it at least as many microbatches as stages.
     Axes are named by their roles."""
