@@ -100,7 +100,8 @@ def balanced_gpt(layers=L):
     pytest.param((2, 4), dict(pp="dp", ep="tp", microbatches=2), (R, Shard(0)), L, id="pp2xep4"),
     pytest.param((2, 4), dict(pp="a", ep="b", microbatches=4), (R, Shard(0)), 3, id="pp2xep4-uneven",
                  marks=pytest.mark.slow),  # 3 layers over 2 stages: the second holds one and an idle row
-    pytest.param((1, 8), dict(pp="dp", ep="tp", microbatches=2), (R, Shard(0)), L, id="pp1xep8"),
+    pytest.param((1, 8), dict(pp="dp", ep="tp", microbatches=2), (R, Shard(0)), L, id="pp1xep8",
+                 marks=pytest.mark.slow),
     pytest.param((1, 1), dict(pp="a", ep="b", microbatches=2), (R, R), L, id="one-device"),
 ])
 def test_a_balanced_mixture_in_pipeline_stages_trains_like_one_device(shape, axes, data, layers):
