@@ -186,7 +186,7 @@ def model_flops(model: nnx.Module, blocks: tuple | None, loss_fn: Callable, batc
     def forward(depth: int) -> float:
         small = cut_model(model, blocks, depth)
         graphdef, params, rest = nnx.split(small, nnx.Param, ...)
-        closed = jax.make_jaxpr(lambda p, *b: loss_fn(nnx.merge(graphdef, p, rest), *b))(params, *batch)
+        closed = jax.make_jaxpr(lambda p, r, *b: loss_fn(nnx.merge(graphdef, p, r), *b))(params, rest, *batch)
         return _matmul_flops(closed.jaxpr)
 
     if blocks is None:

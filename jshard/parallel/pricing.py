@@ -47,7 +47,7 @@ from ..engine import (
     shared_trace,
 )
 from ..jaxcompat import jc
-from ..placements import Placement
+from ..placements import Placement, Replicate
 from ..planner import Plan as MovePlan
 from ..spec import Spec
 from .hardware import LEVELS, Hardware
@@ -240,7 +240,12 @@ def step_inputs(model, mesh, plan, default, placements, batch, tx) -> tuple:
     alone: parameters, optimizer state, other state, batch."""
     parallelize_shapes(model, mesh, plan, default=default)
     params = nnx.state(model, nnx.Param)
-    rest = nnx.split(model, nnx.Param, ...)[2]
+    whole = (Replicate(),) * len(mesh.axis_names)
+    # the other state as TrainStep carries it (a mixture's balancing bias and load: replicated)
+    rest = jax.tree.map(lambda a: _shaped(mesh, whole, a.shape, a.dtype)
+                        if isinstance(a, jax.ShapeDtypeStruct) and not jax.dtypes.issubdtype(a.dtype,
+                                                                                             jax.dtypes.prng_key)
+                        else a, nnx.split(model, nnx.Param, ...)[2])
     opt = _optimizer_state(tx, params, mesh)
     data = [_shaped(mesh, p, b.shape, b.dtype) for p, b in zip(placements, batch, strict=True)]
     return params, opt, rest, data

@@ -165,7 +165,10 @@ class Stages:
         the blocks' state stacked the same way)."""
         blocks = list(module)
         for path, v in carried(blocks[0]):
-            v.set_value(jnp.stack([dict(carried(b))[path].get_value() for b in blocks]))
+            values = [dict(carried(b))[path].get_value() for b in blocks]
+            first = values[0]  # an abstract model's (autoplan's) are shapes
+            v.set_value(jax.ShapeDtypeStruct((len(values), *first.shape), first.dtype)
+                        if isinstance(first, jax.ShapeDtypeStruct) else jnp.stack(values))
         return Pipelined(blocks[0], len(blocks), self.style)
 
 

@@ -241,6 +241,29 @@ def test_autoplan_searches_an_expert_role():
     assert all("ep" not in p.roles.values() for p in (dense, *dense.runners_up))
 
 
+def test_autoplan_plans_a_balanced_mixture_with_its_state():
+    """A mixture carrying its balancing state (bias and load, not parameters) is priced with that state as the step
+    carries it, on a mesh and on a chip count, pipelines included; the pipelined expert plan found trains like one
+    device."""
+    from jshard.parallel import Hardware, autoplan
+
+    mesh = make_mesh((2, 4))
+    spec = jax.ShapeDtypeStruct((B, T), jnp.int32)
+    found = autoplan(balanced_gpt, mesh, loss_fn, spec, spec, styles=("dp", "ep", "pp"), runners_up=20)
+    plans = {p.name: p for p in (found, *found.runners_up)}
+    assert "pp(dp)+ep(tp) m=2" in plans, sorted(plans)
+    chips = autoplan(balanced_gpt, 8, loss_fn, spec, spec, styles=("fsdp", "ep", "pp"), hardware=Hardware.h100(),
+                     runners_up=20)
+    assert {"ep", "pp"} <= {r for p in (chips, *chips.runners_up) for r in p.roles.values()}
+    plan = plans["pp(dp)+ep(tp) m=2"]
+    tx = optax.adamw(1e-2)
+    step, ref = TrainStep(parallelize(balanced_gpt, mesh, plan), tx, loss_fn), one_device_trainer(balanced_gpt(), tx,
+                                                                                                   loss_fn)
+    for ids, labels in batches(2):
+        got = float(step(*(jshard.distribute(a, mesh, plan.batch[i]) for i, a in enumerate((ids, labels)))))
+        assert got == pytest.approx(ref(ids, labels), rel=1e-5)
+
+
 @pytest.mark.slow
 def test_expert_parallelism_beside_context_parallelism_trains_like_one_device():
     mesh = make_mesh((2, 4))
