@@ -183,17 +183,24 @@ class Prediction:
 def model_flops(model: nnx.Module, blocks: tuple | None, loss_fn: Callable, batch: tuple) -> float:
     """The model's FLOPs in one training step by the MFU convention (see the module's docstring), from its forward
     pass traced at global shape on the model cut to one block and to two: the first and every further block's."""
+    return step_flops(model, blocks, loss_fn, batch)[0]
+
+
+def step_flops(model: nnx.Module, blocks: tuple | None, loss_fn: Callable, batch: tuple) -> tuple[float, float]:
+    """``model_flops`` and the share of them its blocks run (0 without a list of blocks, or with one block), the
+    blocks' counted as every block but the first runs."""
     def forward(depth: int) -> float:
         small = cut_model(model, blocks, depth)
         graphdef, params, rest = nnx.split(small, nnx.Param, ...)
         closed = jax.make_jaxpr(lambda p, r, *b: loss_fn(nnx.merge(graphdef, p, r), *b))(params, rest, *batch)
         return _matmul_flops(closed.jaxpr)
 
-    if blocks is None:
-        return 3 * forward(1)
-    depth = len(list(module_at(model, blocks)))
+    depth = len(list(module_at(model, blocks))) if blocks is not None else 1
     one = forward(1)
-    return 3 * (one + (depth - 1) * (forward(2) - one)) if depth > 1 else 3 * one
+    if depth == 1:
+        return 3 * one, 0.0
+    each = forward(2) - one
+    return 3 * (one + (depth - 1) * each), 3 * depth * each
 
 
 def _matmul_flops(jaxpr: jc.Jaxpr) -> float:

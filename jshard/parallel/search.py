@@ -19,7 +19,6 @@ placements and is planned on its own mesh (axes are named by their place in the 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 import time
@@ -39,7 +38,7 @@ from .hardware import Hardware
 from .initialise import building
 from .parallelize import blocks_differ, kind_of
 from .plan import Plan, plan_name
-from .predict import model_flops
+from .predict import step_flops
 from .pricing import price, step_inputs
 from .roles import (
     BATCH_ROLES,
@@ -183,17 +182,38 @@ def _depth(model, blocks) -> int:
     return len(members) if members and blocks_differ(members) is None else 0
 
 
-def _priced(model, blocks, tensor, loss_fn, batch, tx, hardware, candidates) -> tuple[list[Plan], list]:
+def _priced(model, blocks, tensor, loss_fn, batch, tx, hardware, candidates, bound: Callable | None = None,
+            budget: int | None = None, again: Callable | None = None) -> tuple[list[Plan], list]:
     """Each candidate ``(mesh, roles, options)`` priced (``options``: a pipeline's microbatches, remat), or rejected
     with the refusal of the style or rule that cannot take it (a dim its axis does not divide, ...): only a
-    ``ValueError`` is a refusal, any other error jshard's own and raised."""
+    ``ValueError`` is a refusal, any other error jshard's own and raised. ``bound``: µs no step of a candidate takes
+    less than (taken in order, least first), so that one whose bound is no less than the fastest plan within
+    ``budget`` priced so far is left unpriced: it cannot be the plan chosen, nor, recomputing more, its remat.
+    ``again``: the candidates to price at once in place of a plan over ``budget`` (its remat)."""
     priced, rejected, traces = [], [], {}
-    for mesh, roles, options in candidates:
+    best, skipped = None, 0
+    queue = [(c, True) for c in reversed(candidates)]
+    while queue:
+        candidate, first = queue.pop()
+        mesh, roles, options = candidate
+        if bound is not None and best is not None and bound(candidate) >= best.step_us:
+            skipped += 1
+            continue
         try:
-            priced.append(price(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, hardware, traces, **options))
+            plan = price(model, blocks, mesh, roles, tensor, loss_fn, batch, tx, hardware, traces, **options)
         except ValueError as e:
             rejected.append((_label(roles, mesh, options), f"cannot run: {type(e).__name__}: "
                              f"{str(e).splitlines()[0][:160]}"))
+            continue
+        priced.append(plan)
+        fits = budget is None or plan.memory.total <= budget
+        if fits and (best is None or plan.step_us < best.step_us):
+            best = plan
+        if not fits and first and again is not None:
+            queue += [(c, False) for c in reversed(again(plan))]
+    if skipped:
+        rejected.append((f"{skipped} more layouts", f"not priced: their blocks' FLOPs a chip through their "
+                         f"pipelines' bubbles alone take longer than {best.name}'s step"))
     return priced, rejected
 
 
@@ -218,8 +238,10 @@ def _fitting(priced: list[Plan], rejected: list, budget: int | None, where: str)
 
 def _autoplan_chips(make, chips, loss_fn, batch, tx, budget, styles, runners_up, hardware) -> Plan:
     """``autoplan`` on ``chips`` chips of ``hardware``: every factoring of the chips into roles (``_factorings``)
-    priced on its abstract mesh, then, where none fits the budget, each again with its blocks recomputing their
-    activations; each plan carries its prediction's figures (MFU, tokens per second per chip)."""
+    priced on its abstract mesh, each over the budget again with its blocks recomputing their activations or
+    accumulating its gradients; each plan carries its prediction's figures (MFU, tokens per second per chip). The
+    factorings are priced least bubble first, and one whose blocks' FLOPs alone, through its pipeline's bubble, take
+    longer than the fastest plan within the budget so far is left unpriced (it cannot be chosen)."""
     start = time.perf_counter()
     _check_args(make, chips, loss_fn, batch, tx, budget, styles, runners_up, hardware)
     model, batch, tx, styles = _model(make, batch, tx, styles)
@@ -228,20 +250,27 @@ def _autoplan_chips(make, chips, loss_fn, batch, tx, budget, styles, runners_up,
     experts = mixtures(model) if "ep" in styles else ()
     tensor = tensor_sides(model, loss_fn, batch) if set(styles) & set(TENSOR_ROLES) else {}
     tensor.update((pattern, "experts") for pattern in experts)
-    candidates = _factorings(model, chips, styles, batch, _depth(model, blocks), hardware,
-                             _expert_count(model) if experts else 0)
-    priced, rejected = _priced(model, blocks, tensor, loss_fn, batch, tx, hardware, candidates)
-    if blocks is not None:  # those over the budget again, their blocks recomputing, or accumulating gradients
-        over = [p for p in priced if p.memory.total > budget]
-        again = [(AbstractMesh(p.mesh_shape, p.axis_names), p.roles,
-                  {"remat": True, "microbatches": p.detail["microbatches"]}) for p in over]
-        again += [a for a in map(functools.partial(_accumulating, batch), over) if a is not None]
-        more, refused = _priced(model, blocks, tensor, loss_fn, batch, tx, hardware, again)
-        priced, rejected = priced + more, rejected + refused
+    flops, in_blocks = step_flops(model, blocks, loss_fn, batch)
+
+    def bound(candidate) -> float:  # the µs its blocks' share of the FLOPs takes a chip through its pipeline's bubble
+        mesh, _, options = candidate
+        p, m = dict(mesh.shape).get("pp", 1), options.get("microbatches") or 1
+        return in_blocks / chips * (m + p - 1) / m / hardware.flops_per_us
+
+    candidates = sorted(_factorings(model, chips, styles, batch, _depth(model, blocks), hardware,
+                                    _expert_count(model) if experts else 0), key=bound)
+
+    def again(p: Plan) -> list:  # over the budget: its blocks recomputing, or accumulating its gradients
+        remat = (AbstractMesh(p.mesh_shape, p.axis_names), p.roles,
+                 {"remat": True, "microbatches": p.detail["microbatches"]})
+        return [remat] + [a for a in [_accumulating(batch, p)] if a is not None]
+
+    priced, rejected = _priced(model, blocks, tensor, loss_fn, batch, tx, hardware, candidates, bound, budget,
+                               again if blocks is not None else None)
     if not priced:
         raise ValueError(f"autoplan: no factoring of {chips} chips into {styles} runs {type(model).__name__}: "
                          + "; ".join(f"{n}: {w}" for n, w in rejected))
-    flops, tokens = model_flops(model, blocks, loss_fn, batch), math.prod(batch[0].shape)
+    tokens = math.prod(batch[0].shape)
     priced = [dataclasses.replace(p, mfu=flops / (p.step_us / 1e6 * chips * hardware.flops),
                                   tokens_per_s_per_chip=tokens / (p.step_us / 1e6) / chips) for p in priced]
     fits, rejected = _fitting(priced, rejected, budget, f"on {chips} x {hardware.name}")

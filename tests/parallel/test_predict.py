@@ -267,6 +267,27 @@ def test_autoplan_tries_stages_the_blocks_do_not_divide():
     assert alone.step_s == pytest.approx(p.step_us / 1e6, rel=1e-9)
 
 
+@pytest.mark.slow  # 11 s: two searches of a compute-bound model
+def test_autoplan_leaves_unpriced_only_layouts_that_cannot_win(monkeypatch):
+    """A chip count's layouts are priced least bubble first; one whose blocks' FLOPs alone, through its pipeline's
+    bubble, take longer than the fastest plan within the budget so far is not priced, and says so. Left unpriced,
+    they change nothing: the plan and its runners-up are those of the search that prices every layout."""
+    from jshard.parallel import search
+
+    ids = jax.ShapeDtypeStruct((64, 2048), jnp.int32)
+    make = lambda: GPT(vocab=32000, dim=8192, heads=16, layers=16, seq=2048, rngs=nnx.Rngs(0),  # noqa: E731
+                       dtype=jnp.bfloat16)
+    found = autoplan(make, 64, _loss, ids, ids, hardware=Hardware.h100(), styles=("fsdp", "sp", "pp"), runners_up=3)
+    skipped = [why for name, why in found.rejected if name.endswith("more layouts")]
+    assert skipped and "bubbles alone take longer than " + found.name in skipped[0]
+    everything = search.step_flops
+    monkeypatch.setattr(search, "step_flops", lambda *a: (everything(*a)[0], 0.0))  # no bound: every layout priced
+    every = autoplan(make, 64, _loss, ids, ids, hardware=Hardware.h100(), styles=("fsdp", "sp", "pp"), runners_up=3)
+    assert not [name for name, _ in every.rejected if name.endswith("more layouts")]
+    assert [(p.name, p.step_us) for p in (found, *found.runners_up)] == [(p.name, p.step_us)
+                                                                         for p in (every, *every.runners_up)]
+
+
 def test_units_declare_the_flops_pricing_counts():
     """Attention's and a mixture's matmuls run inside their units: each rule declares its FLOPs
     (``rules.function(..., flops=)``), so a step's priced compute covers the model's FLOPs (the recomputations
