@@ -109,9 +109,13 @@ def _autoplan(make, mesh, loss_fn, batch, tx, memory_budget, styles, runners_up,
     tensor.update((pattern, "experts") for pattern in experts)
     hardware = hardware or Hardware.measure(mesh, compute_dtype(model) or jnp.float32)  # in the model's dtype
     depth = _depth(model, blocks)
-    candidates = [(mesh, roles, {}) for roles in
-                  _candidates(mesh, tuple(s for s in styles if s != "ep" or experts), batch, depth)]
-    priced, rejected = _priced(model, blocks, tensor, loss_fn, batch, tx, hardware, candidates)
+    bound = _bound(step_flops(model, blocks, loss_fn, batch)[1], mesh.size, hardware, batch)
+    candidates = sorted(((mesh, roles, {}) for roles in
+                         _candidates(mesh, tuple(s for s in styles if s != "ep" or experts), batch, depth)), key=bound)
+    # a budget on devices is checked compiled after: a plan left unpriced might have been the one to fall back on
+    checked = memory_budget is not None and isinstance(mesh, Mesh)
+    priced, rejected = _priced(model, blocks, tensor, loss_fn, batch, tx, hardware, candidates,
+                               None if checked else bound, memory_budget)
     if not priced:
         raise ValueError(f"autoplan: no plan of {styles} runs {type(model).__name__} on mesh "
                          f"{dict(mesh.shape)}: " + "; ".join(f"{n}: {w}" for n, w in rejected))
@@ -251,12 +255,7 @@ def _autoplan_chips(make, chips, loss_fn, batch, tx, budget, styles, runners_up,
     tensor = tensor_sides(model, loss_fn, batch) if set(styles) & set(TENSOR_ROLES) else {}
     tensor.update((pattern, "experts") for pattern in experts)
     flops, in_blocks = step_flops(model, blocks, loss_fn, batch)
-
-    def bound(candidate) -> float:  # the µs its blocks' share of the FLOPs takes a chip through its pipeline's bubble
-        mesh, _, options = candidate
-        p, m = dict(mesh.shape).get("pp", 1), options.get("microbatches") or 1
-        return in_blocks / chips * (m + p - 1) / m / hardware.flops_per_us
-
+    bound = _bound(in_blocks, chips, hardware, batch)
     candidates = sorted(_factorings(model, chips, styles, batch, _depth(model, blocks), hardware,
                                     _expert_count(model) if experts else 0), key=bound)
 
@@ -277,6 +276,24 @@ def _autoplan_chips(make, chips, loss_fn, batch, tx, budget, styles, runners_up,
     best, rest = fits[0], tuple(fits[1:1 + runners_up])
     return dataclasses.replace(best, runners_up=rest, rejected=tuple(rejected), budget=budget,
                                solve_s=time.perf_counter() - start)
+
+
+def _bound(in_blocks: float, chips: int, hardware: Hardware, batch: tuple) -> Callable:
+    """A candidate's least step in µs: its blocks' FLOPs (``in_blocks``, the whole model's) a chip at the hardware's
+    rate, through its pipeline's bubble ``(m + p - 1) / m`` (its microbatches ``m`` as given, or as the pipeline
+    would take them)."""
+    rows = min((b.shape[0] for b in batch if b.shape), default=1)
+
+    def bound(candidate) -> float:
+        mesh, roles, options = candidate
+        sizes = dict(mesh.shape)
+        stages = [sizes[a] for a, r in roles.items() if r == "pp"]
+        p = stages[0] if stages else 1
+        data = math.prod(sizes[a] for a, r in roles.items() if r in BATCH_ROLES)
+        m = options.get("microbatches") or (pipeline_microbatches(p, rows, data) if p > 1 else 1) or 1
+        return in_blocks / chips * (m + p - 1) / m / hardware.flops_per_us
+
+    return bound
 
 
 def _accumulating(batch: tuple, plan: Plan) -> tuple[AbstractMesh, dict, dict] | None:
