@@ -640,6 +640,7 @@ def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Ca
         return jax.lax.switch(jnp.asarray(index)[t], branches, x) if len(branches) > 1 else branches[0](x)
 
     uneven = depth % (p * v) != 0
+    merges = update[1] if update else ()
 
     def layers_forward(chunk, real, x):  # the chunk's output, and each layer's residuals and state left [per, ...]
         def step(x, lr):
@@ -664,8 +665,6 @@ def _kernel(sched, axis: str, depth: int, fwd: Callable, bwd: Callable, tail: Ca
 
         dx, dl = jax.lax.scan(step, dy, (chunk, kept, real), reverse=True)
         return list(dl), dx
-
-    merges = update[1] if update else ()
 
     def run(*blocks):
         stacked, other, x0 = blocks[:n], blocks[n:n + k], blocks[n + k]

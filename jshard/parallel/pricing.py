@@ -241,11 +241,12 @@ def step_inputs(model, mesh, plan, default, placements, batch, tx) -> tuple:
     parallelize_shapes(model, mesh, plan, default=default)
     params = nnx.state(model, nnx.Param)
     whole = (Replicate(),) * len(mesh.axis_names)
-    # the other state as TrainStep carries it (a mixture's balancing bias and load: replicated)
-    rest = jax.tree.map(lambda a: _shaped(mesh, whole, a.shape, a.dtype)
-                        if isinstance(a, jax.ShapeDtypeStruct) and not jax.dtypes.issubdtype(a.dtype,
-                                                                                             jax.dtypes.prng_key)
-                        else a, nnx.split(model, nnx.Param, ...)[2])
+
+    def carried(a):  # the other state as TrainStep carries it: numbers replicated (a mixture's bias and load)
+        numeric = isinstance(a, jax.ShapeDtypeStruct) and not jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
+        return _shaped(mesh, whole, a.shape, a.dtype) if numeric else a
+
+    rest = jax.tree.map(carried, nnx.split(model, nnx.Param, ...)[2])
     opt = _optimizer_state(tx, params, mesh)
     data = [_shaped(mesh, p, b.shape, b.dtype) for p, b in zip(placements, batch, strict=True)]
     return params, opt, rest, data

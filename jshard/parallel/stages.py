@@ -164,8 +164,9 @@ class Stages:
         """The ``Pipelined`` module that takes the list's place (its first block holds the stacks by now, and takes
         the blocks' state stacked the same way)."""
         blocks = list(module)
-        for path, v in carried(blocks[0]):
-            values = [dict(carried(b))[path].get_value() for b in blocks]
+        held = [dict(carried(b)) for b in blocks]
+        for path, v in held[0].items():
+            values = [h[path].get_value() for h in held]
             first = values[0]  # an abstract model's (autoplan's) are shapes
             v.set_value(jax.ShapeDtypeStruct((len(values), *first.shape), first.dtype)
                         if isinstance(first, jax.ShapeDtypeStruct) else jnp.stack(values))

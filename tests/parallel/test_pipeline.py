@@ -23,7 +23,14 @@ from jshard.engine.walk import plan_jaxpr
 from jshard.gpt import GPT, cross_entropy
 from jshard.gpt import plan as gpt_plan
 from jshard.parallel import PipelineParallel, TrainStep, parallelize, pipeline
-from jshard.parallel.pipeline import _forward_and_backward, _lightened, _routes, _sends, pipeline_value_and_grad
+from jshard.parallel.pipeline import (
+    _forward_and_backward,
+    _lightened,
+    _routes,
+    _sends,
+    pipeline_value_and_grad,
+    value_and_grad_read,
+)
 from jshard.parallel.schedule import make_schedule
 from jshard.spec import Spec
 
@@ -155,6 +162,38 @@ def test_a_weight_the_layer_casts_enters_the_stage_cast_its_gradient_summed_in_i
     eqn = next(e.eqn for e in plan.equations if e.eqn.primitive.name == "jshard_pipeline")
     assert [v.aval.dtype for v in eqn.invars[:2]] == [np.float32, jnp.bfloat16]  # b as stored, w cast before
     assert eqn.params["sums"] == (np.float32, np.float32)
+
+
+def test_a_pipelines_state_is_checked_by_name():
+    """State given a pipeline needs a merge for each array, stacked like the layers; a layer must leave its state
+    shaped as it found it. Each refused naming what it got."""
+    w, b, h, x, y = _toy()
+    mesh = jax.make_mesh((2, 4), ("pp", "tp"))
+    args = [jshard.distribute(a, mesh, [Shard(0), Replicate()]) for a in (w, b)]
+    args += [jshard.distribute(a, mesh, [Replicate(), Replicate()]) for a in (h, x, y)]
+    count = jshard.distribute(np.zeros((L, 3), np.float32), mesh, [Shard(0), Replicate()])
+
+    def run(layer, merges, w, b, h, x, y, s):
+        return value_and_grad_read(layer, _tail, {"w": w, "b": b}, {"h": h}, x, (y,), axis="pp", state=[s],
+                                   merges=merges)[0]
+
+    def counting(lp, ls, x):
+        return _layer(lp, x), [ls[0] + 1]
+
+    def growing(lp, ls, x):
+        return _layer(lp, x), [jnp.zeros(4)]
+
+    with pytest.raises(ValueError, match=r"pipeline: state takes one array a layer stacked along dim 0 \(8 layers\) "
+                                         r"and merges one of \('sum', 'last'\) for each; got state shapes \[\(8, 3\)\] "
+                                         r"and merges \('mean',\)"):
+        jshard.jit(functools.partial(run, counting, ("mean",)))(*args, count)
+    with pytest.raises(TypeError, match=r"pipeline: a layer leaves its state as \['float32\[4\]'\] where it takes "
+                                        r"\['float32\[3\]'\]"):
+        jshard.jit(functools.partial(run, growing, ("sum",)))(*args, count)
+    left = jshard.jit(lambda *a: value_and_grad_read(counting, _tail, {"w": a[0], "b": a[1]}, {"h": a[2]}, a[3],
+                                                     (a[4],), axis="pp", state=[a[5]], merges=("sum",))[4])(
+        *args, count)
+    np.testing.assert_array_equal(np.asarray(left[0].full()), np.full((L, 3), M))  # one a call, summed over M
 
 
 def _units(layer, lp, x):
